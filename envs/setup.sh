@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's CPU environment in .venv: python3 -m venv + pinned requirements.
+# Idempotent: a second run only re-checks the install. Usage: bash envs/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$py" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+stamp=.venv/.memopd-installed
+if [ ! -f "$stamp" ] || [ envs/requirements-cpu.txt -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q -r envs/requirements-cpu.txt
+  touch "$stamp"
+fi
+.venv/bin/python -c "import torch, transformers, memopd; print('memopd env ready: torch', torch.__version__, '| transformers', transformers.__version__)"

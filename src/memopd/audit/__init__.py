@@ -1,0 +1,1 @@
+"""Audits of packed representations (alignment, corruption, action domain, packing benchmark)."""

@@ -1,0 +1,20 @@
+# Exactness audits of the packed representation.
+
+
+rule rce_smoke:
+    input:
+        src("records", "packing", "attention", "rce", "synthetic", "cli"),
+        model="results/models/student_init/model.safetensors",
+    output:
+        json="results/audit/rce_smoke.json",
+        csv="results/audit/rce_smoke.csv",
+    params:
+        cfg=cfg_json("rce"),
+        model=lambda w, input: os.path.dirname(input.model),
+    log:
+        f"{LOGS}/rce_smoke.log",
+    benchmark:
+        f"{LOGS}/bench/rce_smoke.tsv"
+    shell:
+        "{MEMOPD} rce --cfg {params.cfg:q} --seed {config[seed]} --model {params.model} "
+        "--data-dir {config[data_dir]} --out {output.json} --strict > {log} 2>&1"
