@@ -89,9 +89,14 @@ def cmd_rce(args, cfg):
 
 
 def cmd_bench_packing(args, cfg):
-    from memopd.audit.packing_bench import run_sweep
+    import torch
 
+    from memopd.audit.packing_bench import run_sweep, summarize
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = run_sweep(cfg, seed=args.seed, repeats=args.repeats)
+    print("\n".join(summarize(rows)))
     if args.out:
         _write_csv(args.out, rows)
         print(f"wrote {args.out}")
@@ -128,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("packing", cmd_bench_packing, "packing benchmark: 9 configurations, every exact path, with RCE", bench)
     sp.add_argument("--out", help="CSV file")
     sp.add_argument("--repeats", type=int, default=3)
+    sp.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     return p
 
 

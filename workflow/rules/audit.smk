@@ -11,10 +11,14 @@ rule rce_smoke:
     params:
         cfg=cfg_json("rce"),
         model=lambda w, input: os.path.dirname(input.model),
+        seed=config["seed"],
+        data_dir=config["data_dir"],
+    conda:
+        CPU_ENV
     log:
         f"{LOGS}/rce_smoke.log",
     benchmark:
         f"{LOGS}/bench/rce_smoke.tsv"
     shell:
-        "{MEMOPD} rce --cfg {params.cfg:q} --seed {config[seed]} --model {params.model} "
-        "--data-dir {config[data_dir]} --out {output.json} --strict > {log} 2>&1"
+        "memopd rce --cfg {params.cfg:q} --seed {params.seed} --model {params.model} "
+        "--data-dir {params.data_dir} --out {output.json} --strict > {log} 2>&1"

@@ -6,8 +6,8 @@ from snakemake.utils import validate
 
 validate(config, schema="../schemas/config.schema.yaml")
 
-MEMOPD = "memopd"
 LOGS = "results/logs"
+CPU_ENV = "../../envs/cpu.yaml"  # conda env of CPU steps (relative to workflow/rules/)
 
 
 def cfg_json(*keys):
@@ -19,6 +19,6 @@ def cfg_json(*keys):
 
 
 def src(*modules):
-    """Source files a rule depends on: Snakemake does not track imported modules, so a code change
-    reruns a rule only through these inputs."""
+    """Source files that a step depends on. Snakemake does not track imported modules, so a code
+    change reruns the step only through these inputs."""
     return [f"src/memopd/{m}.py" for m in modules]

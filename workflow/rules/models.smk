@@ -10,12 +10,14 @@ rule tokenizer:
     params:
         cfg=cfg_json("tokenizer"),
         outdir=lambda w, output: os.path.dirname(output[0]),
+    conda:
+        CPU_ENV
     log:
         f"{LOGS}/tokenizer.log",
     benchmark:
         f"{LOGS}/bench/tokenizer.tsv"
     shell:
-        "{MEMOPD} tokenizer --cfg {params.cfg:q} --data-dir {input.data} --out {params.outdir} > {log} 2>&1"
+        "memopd tokenizer --cfg {params.cfg:q} --data-dir {input.data} --out {params.outdir} > {log} 2>&1"
 
 
 rule model_init:
@@ -31,10 +33,13 @@ rule model_init:
         outdir=lambda w, output: os.path.dirname(output[0]),
         tokdir=lambda w, input: os.path.dirname(input.tokenizer),
         online="--online" if config["online"] else "",
+        seed=config["seed"],
+    conda:
+        CPU_ENV
     log:
         f"{LOGS}/model_init_{{role}}.log",
     benchmark:
         f"{LOGS}/bench/model_init_{{role}}.tsv"
     shell:
-        "{MEMOPD} model init --cfg {params.cfg:q} --seed {config[seed]} --tokenizer {params.tokdir} "
+        "memopd model init --cfg {params.cfg:q} --seed {params.seed} --tokenizer {params.tokdir} "
         "{params.online} --out {params.outdir} > {log} 2>&1"
