@@ -1,0 +1,163 @@
+"""Losses of PPO and MemOPD as pure functions over tensors and masks, each returning (loss, metrics).
+
+Shapes: N = number of sampled action tokens (in the packed action order: episode by episode, call by
+call, token by token), H = hidden size, V = vocabulary size, L = packed sequence length.
+
+Full-vocabulary quantities (log-prob of the sampled token, entropy, reverse KL to the teacher) are
+computed from hidden states in chunks of rows, each chunk under activation checkpointing, so that at
+most one chunk of (chunk, V) logits per model is alive at a time, forward or backward: full logits for
+8k tokens at V = 151,936 would be ~5 GB per model in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    if mask is None:
+        return x.mean()
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(hidden, weight, bias).float()
+
+
+def _logp_entropy_chunk(hidden, weight, bias, targets):
+    logp_all = torch.log_softmax(_logits(hidden, weight, bias), dim=-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def action_logprobs_entropy(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor,
+                            chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, H) hidden states predicting the sampled tokens, (N,) targets -> (N,) log p, (N,) entropy."""
+    logps, ents = [], []
+    for s in range(0, hidden.shape[0], chunk_size):
+        args = (hidden[s : s + chunk_size], head.weight, head.bias, targets[s : s + chunk_size])
+        lp, en = checkpoint(_logp_entropy_chunk, *args, use_reentrant=False) if hidden.requires_grad \
+            else _logp_entropy_chunk(*args)
+        logps.append(lp)
+        ents.append(en)
+    return torch.cat(logps), torch.cat(ents)
+
+
+def _reverse_kl_chunk(h_s, w_s, b_s, h_t, w_t, b_t):
+    logp_s = torch.log_softmax(_logits(h_s, w_s, b_s), dim=-1)
+    logp_t = torch.log_softmax(_logits(h_t, w_t, b_t), dim=-1)
+    return (logp_s.exp() * (logp_s - logp_t)).sum(-1)
+
+
+def reverse_kl(student_hidden: torch.Tensor, student_head: torch.nn.Linear, teacher_hidden: torch.Tensor,
+               teacher_head: torch.nn.Linear, chunk_size: int = 512) -> torch.Tensor:
+    """(N, Hs), (N, Ht) -> (N,) full-vocabulary reverse KL sum_v p_s(v) log(p_s(v) / p_T(v)) per row.
+    The teacher is frozen: its hidden states and head carry no gradient."""
+    teacher_hidden = teacher_hidden.detach()
+    w_t = teacher_head.weight.detach()
+    b_t = None if teacher_head.bias is None else teacher_head.bias.detach()
+    out = []
+    for s in range(0, student_hidden.shape[0], chunk_size):
+        args = (student_hidden[s : s + chunk_size], student_head.weight, student_head.bias,
+                teacher_hidden[s : s + chunk_size], w_t, b_t)
+        out.append(checkpoint(_reverse_kl_chunk, *args, use_reentrant=False) if student_hidden.requires_grad
+                   else _reverse_kl_chunk(*args))
+    return torch.cat(out)
+
+
+def opd_loss(student_hidden, student_head, teacher_hidden, teacher_head, chunk_size: int = 512):
+    """L_OPD = (1 / sum m_T) sum_j m_T[j] KL(p_theta,j || p_T,j), over the rows given (the teacher-mask
+    positions). Student and teacher hidden states must come from the same tokens, positions and
+    visibility (the packed exact state for `memopd`)."""
+    kl = reverse_kl(student_hidden, student_head, teacher_hidden, teacher_head, chunk_size)
+    loss = kl.mean() if kl.numel() else student_hidden.sum() * 0.0
+    return loss, {"opd/loss": loss.item(), "opd/kl_max": kl.max().item() if kl.numel() else 0.0,
+                  "opd/positions": kl.numel()}
+
+
+def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor | None = None, clip: float = 0.2):
+    """Clipped PPO surrogate. (N,) each -> loss = mean_j max(-A r, -A clip(r, 1-c, 1+c)),
+    r = exp(logp - old_logp); the behaviour snapshot old_logp is the rollout policy."""
+    ratio = torch.exp(logp - old_logp)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - clip, 1.0 + clip)
+    loss = masked_mean(torch.maximum(pg1, pg2), mask)
+    clipped = (pg2 > pg1).float()
+    return loss, {"ppo/loss": loss.item(), "ppo/clipfrac": masked_mean(clipped, mask).item(),
+                  "ppo/approx_kl": masked_mean(old_logp - logp, mask).item(),
+                  "ppo/ratio_max": ratio.max().item()}
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               mask: torch.Tensor | None = None, clip: float = 0.2):
+    """Clipped value loss 0.5 * mean max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2). (N,) each."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    loss = 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask)
+    return loss, {"value/loss": loss.item(), "value/clipfrac": masked_mean(
+        ((values - returns) ** 2 < (clipped - returns) ** 2).float(), mask).item()}
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor | None = None):
+    h = masked_mean(entropy, mask)
+    return h, {"actor/entropy": h.item()}
+
+
+def reference_penalty(old_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """KLref_j = [l_old,j - l_ref,j]_+ (positive part), (N,). The reference is frozen at the SFT
+    initialisation, separate from the teacher and from pi_old."""
+    return (old_logp - ref_logp).clamp_min(0.0)
+
+
+def token_rewards(task_score: torch.Tensor, last_action: torch.Tensor, old_logp: torch.Tensor,
+                  ref_logp: torch.Tensor, beta: float) -> torch.Tensor:
+    """r'_j = r_j - beta KLref_j, with r_j = the task score on the last action token of each episode.
+    task_score: (E,) per episode; last_action: (E,) index (into the N actions) of each episode's last
+    action token; -> (N,)."""
+    r = -beta * reference_penalty(old_logp, ref_logp)
+    return r.index_add(0, last_action, task_score.to(r.dtype))
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, episode: torch.Tensor, gamma: float = 1.0, lam: float = 1.0):
+    """Generalised advantage estimation over the ordered sampled actions.
+
+    rewards, values, episode: (N,) over sampled action tokens only, in rollout order (context-only
+    positions are not in these tensors, so they cannot influence the recursion); episode[j] says
+    which episode token j belongs to (the recursion restarts at each episode's last action).
+    Returns (advantages, returns), each (N,).
+    """
+    n = rewards.shape[0]
+    adv = torch.zeros_like(rewards)
+    next_value = rewards.new_zeros(())
+    next_adv = rewards.new_zeros(())
+    for j in range(n - 1, -1, -1):
+        if j == n - 1 or episode[j + 1] != episode[j]:  # last action of an episode: terminal
+            next_value, next_adv = rewards.new_zeros(()), rewards.new_zeros(())
+        delta = rewards[j] + gamma * next_value - values[j]
+        next_adv = delta + gamma * lam * next_adv
+        adv[j] = next_adv
+        next_value = values[j]
+    return adv, adv + values
+
+
+def gae_packed(rewards: torch.Tensor, values: torch.Tensor, act_mask: torch.Tensor, segment: torch.Tensor,
+               gamma: float = 1.0, lam: float = 1.0):
+    """GAE on packed (L,) tensors: runs over the act_mask positions only (context copies and prefix
+    are skipped); returns (L,) advantages and returns, zero at non-action positions."""
+    idx = act_mask.nonzero().squeeze(-1)
+    adv, ret = gae(rewards[idx], values[idx], segment[idx], gamma, lam)
+    return (torch.zeros_like(rewards).index_put((idx,), adv), torch.zeros_like(rewards).index_put((idx,), ret))
+
+
+def actor_loss(logp, old_logp, advantages, entropy, opd: torch.Tensor | None, clip: float, entropy_coef: float,
+               opd_coef: float, mask=None):
+    """L_actor = L_PPO - alpha H + lambda L_OPD (lambda = 0: plain PPO)."""
+    pg, metrics = ppo_policy_loss(logp, old_logp, advantages, mask, clip)
+    h, m_h = entropy_bonus(entropy, mask)
+    loss = pg - entropy_coef * h
+    if opd is not None and opd_coef:
+        loss = loss + opd_coef * opd
+    return loss, {**metrics, **m_h, "actor/loss": loss.item()}
