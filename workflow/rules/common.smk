@@ -1,10 +1,16 @@
 # Shared helpers: config validation, the memopd command, per-rule code dependencies.
 import json
+import os
+import sys
 
 from snakemake.utils import validate
 
 
 validate(config, schema="../schemas/config.schema.yaml")
+
+# Jobs call `memopd`: find the one installed beside the Python running Snakemake (.venv/bin), so
+# `.venv/bin/snakemake ...` works without activating the venv. A conda env, when used, comes first.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 LOGS = "results/logs"
 CPU_ENV = "../../envs/cpu.yaml"  # conda env of CPU steps (relative to workflow/rules/)
