@@ -10,7 +10,12 @@ validate(config, schema="../schemas/config.schema.yaml")
 
 # Jobs call `memopd`: find the one installed beside the Python running Snakemake (.venv/bin), so
 # `.venv/bin/snakemake ...` works without activating the venv. A conda env, when used, comes first.
-os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+envvars:
+    "PATH",
+
+
+_venv_bin = os.path.dirname(sys.executable)
+os.environ.update(PATH=_venv_bin + os.pathsep + os.environ["PATH"])
 
 LOGS = "results/logs"
 CPU_ENV = "../../envs/cpu.yaml"  # conda env of CPU steps (relative to workflow/rules/)
