@@ -1,0 +1,1 @@
+"""PPO / MemOPD training on exact packed states."""
