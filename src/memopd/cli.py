@@ -102,6 +102,14 @@ def cmd_bench_packing(args, cfg):
         print(f"wrote {args.out}")
 
 
+def cmd_bench_opd_memory(args, cfg):
+    from memopd.audit.opd_memory import run
+
+    rows = run(n=args.tokens, vocab=args.vocab, hidden=args.hidden, chunk=args.chunk, device=args.device)
+    if args.out:
+        _write_csv(args.out, rows)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memopd", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -134,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", help="CSV file")
     sp.add_argument("--repeats", type=int, default=3)
     sp.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    sp = add("opd-memory", cmd_bench_opd_memory, "peak extra memory of the OPD term, chunked vs naive", bench)
+    sp.add_argument("--tokens", type=int, default=8192)
+    sp.add_argument("--vocab", type=int, default=151_936)
+    sp.add_argument("--hidden", type=int, default=256)
+    sp.add_argument("--chunk", type=int, default=128)
+    sp.add_argument("--device", default="cpu")
+    sp.add_argument("--out", help="CSV file")
     return p
 
 
