@@ -1,0 +1,38 @@
+"""Tables as CSV (for machines) and Markdown (for people, with a caption saying what produced them)."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if v == 0 or 1e-3 <= abs(v) < 1e5:
+            return f"{v:.4g}"
+        return f"{v:.2e}"
+    return str(v)
+
+
+def markdown(rows: list[dict], caption: str) -> str:
+    cols = list(rows[0]) if rows else []
+    lines = [f"*{caption}*", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_table(rows: list[dict], csv_path: str | Path, caption: str, md_path: str | Path | None = None) -> None:
+    """Write rows to CSV and Markdown (md beside the CSV unless given), atomically."""
+    if not rows:
+        raise ValueError(f"no rows for {csv_path}")
+    csv_path = Path(csv_path)
+    md_path = Path(md_path) if md_path else csv_path.with_suffix(".md")
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = csv_path.with_name(csv_path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    tmp.replace(csv_path)
+    tmp = md_path.with_name(md_path.name + ".tmp")
+    tmp.write_text(markdown(rows, caption))
+    tmp.replace(md_path)
