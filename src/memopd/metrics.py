@@ -39,7 +39,8 @@ def normalize_answer(s: str) -> str:
     s = unicodedata.normalize("NFC", s).lower()
     s = "".join(ch for ch in s if not _is_punct(ch))
     s = _ARTICLES.sub(" ", s)
-    return " ".join(s.split())
+    # NFC again: dropping a character can bring a base letter and a combining mark together
+    return unicodedata.normalize("NFC", " ".join(s.split()))
 
 
 def _aliases(gold: str | Sequence[str]) -> list[str]:

@@ -92,7 +92,7 @@ def check_config(cfg: dict, data_dir: str | Path) -> list[TaskSet]:
                 try:
                     resolve(e["path"], data_dir, f"{key}.path")
                 except DataConfigError as err:
-                    errors.append(str(err))
+                    errors.append(err)
             elif "name" not in e:
                 errors.append(f"{key}: needs a path (local file) or a name (hub data set)")
     sets = task_sets(cfg)
@@ -109,8 +109,10 @@ def check_config(cfg: dict, data_dir: str | Path) -> list[TaskSet]:
         for s in ts.sources:
             if s not in sources:
                 errors.append(f"{where}: unknown source {s!r} (configured: {', '.join(sources) or 'none'})")
+    if len(errors) == 1 and isinstance(errors[0], DataConfigError):
+        raise errors[0]  # keep its type (MissingDataError is also a FileNotFoundError)
     if errors:
-        raise DataConfigError("invalid benchmarks config:\n  " + "\n  ".join(errors))
+        raise DataConfigError("invalid benchmarks config:\n  " + "\n  ".join(map(str, errors)))
     return sets
 
 

@@ -263,5 +263,5 @@ def iter_passages(path: str | Path, fmt: str, key: str = "path") -> Iterator[Pas
             yield parse_wiki18(rec, where)
             continue
         qa = QA_PARSERS[fmt](rec, where)
-        for title, text in qa.passages:
-            yield Passage(f"{qa.source}:{content_hash(title, text)}", title, text, qa.source)
+        for title, text in qa.passages:  # id = content only, so one paragraph has one id whatever file holds it
+            yield Passage(f"psg:{content_hash(title, text)}", title, text, qa.source)

@@ -4,8 +4,9 @@ Embedded default: the wiki-18 sample + every HotpotQA context paragraph + every 
 Paper scale: the full wiki-18 file (streamed; ~21M passages).
 
 Ids are stable across rebuilds and independent of file order: a wiki-18 passage keeps its upstream id
-(`wiki18:<id>`), other passages are named by a hash of their title and text (`hotpotqa:<hash>`,
-`nq:<hash>`). Duplicates (same title and text up to whitespace) are kept once, first source wins.
+(`wiki18:<id>`), any other passage is named by a hash of its title and text (`psg:<hash>`). Duplicates
+(same title and text up to whitespace) are kept once; wiki-18 files are read first, so a paragraph that
+is also a wiki-18 passage keeps the wiki-18 id (the `source` column names the first file that had it).
 """
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ def iter_corpus(entries: list[dict], data_dir: str | Path, key: str = "retrieval
         raise DataConfigError(f"{key}: no passage source configured")
     # resolve every path before reading any: a missing file is reported before work starts
     paths = [resolve(e["path"], data_dir, f"{key}[{i}].path") for i, e in enumerate(entries)]
+    order = sorted(range(len(entries)), key=lambda i: entries[i]["format"] != "wiki18")  # wiki-18 first
     seen_content, seen_id = set(), set()
-    for i, (e, path) in enumerate(zip(entries, paths)):
+    for i in order:
+        e, path = entries[i], paths[i]
         for p in iter_passages(path, e["format"], f"{key}[{i}].format"):
             h = content_hash(p.title, p.text)
             if h in seen_content:
