@@ -122,8 +122,8 @@ def test_answer_matching_is_token_aligned():
 
 
 def test_recall_on_a_sample_beats_plain_bm25_level(retrieval_cfg, embedded_index):
-    """100 questions per data set: the figures are real retrieval, not a given (plain BM25 reaches
-    ~89% / ~99% / ~69% on 300)."""
+    """100 questions per data set: the figures are real retrieval, not a given (over every question,
+    plain BM25 reaches 86% / 99% / 69%, the configured index 90% / 99.5% / 72%)."""
     r = load_retriever(embedded_index[0] / "index")
     qs = sample_questions(retrieval_cfg["recall"]["sources"], DATA, 100, seed=3)
     rows = {(x["dataset"], x["metric"]): x for x in recall_rows(r, qs)}
