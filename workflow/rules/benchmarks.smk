@@ -29,12 +29,14 @@ rule benchmarks:
         seed=config["seed"],
         data_dir=lambda w: config["data_dir"],  # a lambda: the value is a path prefix the linter would flag
         outdir=lambda w, output: os.path.dirname(output.tasks[0]),
+    conda:
+        CPU_ENV
     log:
         f"{LOGS}/benchmarks.log",
     benchmark:
         f"{LOGS}/bench/benchmarks.tsv"
     shell:
-        "{MEMOPD} benchmarks --cfg {params.cfg:q} --seed {params.seed} --data-dir {params.data_dir} "
+        "memopd benchmarks --cfg {params.cfg:q} --seed {params.seed} --data-dir {params.data_dir} "
         "--out-dir {params.outdir} --stats {output.stats} > {log} 2>&1"
 
 
@@ -47,12 +49,14 @@ rule retrieval_corpus:
     params:
         cfg=cfg_json("retrieval"),
         data_dir=lambda w: config["data_dir"],  # a lambda: the value is a path prefix the linter would flag
+    conda:
+        CPU_ENV
     log:
         f"{LOGS}/retrieval_corpus.log",
     benchmark:
         f"{LOGS}/bench/retrieval_corpus.tsv"
     shell:
-        "{MEMOPD} retrieval corpus --cfg {params.cfg:q} --data-dir {params.data_dir} --out {output} > {log} 2>&1"
+        "memopd retrieval corpus --cfg {params.cfg:q} --data-dir {params.data_dir} --out {output} > {log} 2>&1"
 
 
 rule retrieval_index:
@@ -64,12 +68,14 @@ rule retrieval_index:
     params:
         cfg=cfg_json("retrieval"),
         online="--online" if config["online"] else "",
+    conda:
+        CPU_ENV
     log:
         f"{LOGS}/retrieval_index.log",
     benchmark:
         f"{LOGS}/bench/retrieval_index.tsv"
     shell:
-        "{MEMOPD} retrieval index --cfg {params.cfg:q} --corpus {input.corpus} {params.online} "
+        "memopd retrieval index --cfg {params.cfg:q} --corpus {input.corpus} {params.online} "
         "--out {output} > {log} 2>&1"
 
 
@@ -85,10 +91,12 @@ rule retrieval_recall:
         cfg=cfg_json("retrieval"),
         seed=config["seed"],
         data_dir=lambda w: config["data_dir"],  # a lambda: the value is a path prefix the linter would flag
+    conda:
+        CPU_ENV
     log:
         f"{LOGS}/retrieval_recall.log",
     benchmark:
         f"{LOGS}/bench/retrieval_recall.tsv"
     shell:
-        "{MEMOPD} retrieval recall --cfg {params.cfg:q} --seed {params.seed} --index {input.index} "
+        "memopd retrieval recall --cfg {params.cfg:q} --seed {params.seed} --index {input.index} "
         "--data-dir {params.data_dir} --out {output.recall} --timing {output.timing} > {log} 2>&1"
