@@ -8,6 +8,7 @@ configfile: "config/config.yaml"
 include: "workflow/rules/common.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/audit.smk"
+include: "workflow/rules/benchmarks.smk"
 
 
 rule all:
@@ -16,3 +17,5 @@ rule all:
         "results/models/student_init/model.safetensors",
         "results/models/teacher_init/model.safetensors",
         "results/audit/rce_smoke.json",
+        rules.benchmarks.output,
+        "results/tables/retrieval_recall.csv",

@@ -110,6 +110,46 @@ def cmd_bench_opd_memory(args, cfg):
         _write_csv(args.out, rows)
 
 
+def _data_errors_exit(fn):
+    """Bad data or config -> one clear line on stderr, exit status 1, no traceback."""
+    from memopd.data.loaders import DataConfigError, DataFormatError
+
+    try:
+        return fn()
+    except (DataConfigError, DataFormatError) as e:
+        sys.exit(f"error: {e}")
+
+
+def cmd_benchmarks(args, cfg):
+    from memopd.data.steps import build_benchmarks
+
+    _data_errors_exit(lambda: build_benchmarks(cfg, args.data_dir, args.seed, args.out_dir, args.stats))
+
+
+def cmd_retrieval_corpus(args, cfg):
+    from memopd.retrieval.steps import corpus_step
+
+    _data_errors_exit(lambda: corpus_step(cfg, args.data_dir, args.out))
+
+
+def cmd_retrieval_index(args, cfg):
+    from memopd.retrieval.steps import index_step
+
+    index_step(cfg, args.corpus, args.out, online=args.online)
+
+
+def cmd_retrieval_recall(args, cfg):
+    from memopd.retrieval.steps import recall_step
+
+    _data_errors_exit(lambda: recall_step(cfg, args.index, args.data_dir, args.seed, args.out, args.timing))
+
+
+def cmd_retrieval_search(args, cfg):
+    from memopd.retrieval.steps import search_step
+
+    search_step(args.index, args.query, args.k)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memopd", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -149,6 +189,30 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--chunk", type=int, default=128)
     sp.add_argument("--device", default="cpu")
     sp.add_argument("--out", help="CSV file")
+
+    sp = add("benchmarks", cmd_benchmarks, "compose Q_n and Wiki-RAG tasks (config section `benchmarks`)")
+    sp.add_argument("--data-dir", default="data")
+    sp.add_argument("--out-dir", default="results/benchmarks", help="one {benchmark}_{split}.parquet per task set")
+    sp.add_argument("--stats", default="results/tables/benchmark_stats.csv")
+
+    ret = sub.add_parser("retrieval", help="retrieval corpus, index, recall (config section `retrieval`)")
+    ret = ret.add_subparsers(dest="retrieval_command", required=True)
+    sp = add("corpus", cmd_retrieval_corpus, "de-duplicated passage corpus with stable ids (parquet)", ret)
+    sp.add_argument("--data-dir", default="data")
+    sp.add_argument("--out", required=True)
+    sp = add("index", cmd_retrieval_index, "build and save the index of the configured backend", ret)
+    sp.add_argument("--corpus", required=True)
+    sp.add_argument("--out", required=True, help="index directory")
+    sp.add_argument("--online", action="store_true", help="allow downloading the dense encoder (paper scale)")
+    sp = add("recall", cmd_retrieval_recall, "recall figures (NQ answer in top 5, HotpotQA support in top 10) and timing", ret)
+    sp.add_argument("--index", required=True)
+    sp.add_argument("--data-dir", default="data")
+    sp.add_argument("--out", required=True, help="CSV: dataset, metric, k, hits, total")
+    sp.add_argument("--timing", required=True, help="CSV: build and query seconds")
+    sp = add("search", cmd_retrieval_search, "print the top passages for queries, as the agent sees them", ret)
+    sp.add_argument("--index", default="results/retrieval/index")
+    sp.add_argument("-k", type=int, default=3)
+    sp.add_argument("query", nargs="+")
     return p
 
 

@@ -1,35 +1,40 @@
-"""Data: the committed samples in data/ (embedded default) or full data sets by name (paper scale)."""
+"""Data: the committed samples in data/ (embedded default) or full data sets by name (paper scale).
+
+- loaders.py  HotpotQA (HF schema and official layout), NQ-open, NQ oracle, wiki-18; typed errors
+- hub.py      the same formats loaded by name through `datasets` (paper scale)
+- compose.py  Q_n and Wiki-RAG task composition, train/test pools, parquet + stats output
+"""
 from __future__ import annotations
 
-import gzip
-import json
 from pathlib import Path
 from typing import Iterator
 
+from memopd.data.loaders import (QA, DataConfigError, DataFormatError, MissingDataError, Passage,
+                                 iter_passages, load_qa)
 
-def _jsonl(path: Path) -> Iterator[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
+__all__ = ["QA", "Passage", "DataConfigError", "DataFormatError", "MissingDataError", "load_qa",
+           "iter_passages", "corpus_texts"]
+
+# The committed files the tokenizer corpus reads (relative to data_dir).
+_WIKI = "wiki/wiki18_sample.jsonl"
+_NQ_ORACLE = "nq/nq-open-oracle.jsonl.gz"
+_HOTPOT_GLOB = "hotpotqa/distractor_dev_sample_*.jsonl"
 
 
 def corpus_texts(data_dir: str | Path) -> Iterator[str]:
     """Every piece of text in the committed samples (passages, questions, answers): tokenizer corpus."""
     d = Path(data_dir)
-    files = {"wiki": d / "wiki/wiki18_sample.jsonl", "nq": d / "nq/nq-open-oracle.jsonl.gz"}
-    for key, path in files.items():
-        if not path.exists():
-            raise FileNotFoundError(f"{path} not found (data_dir={data_dir!s}, file {key})")
-    for rec in _jsonl(files["wiki"]):
-        yield rec["contents"]
-    for rec in _jsonl(files["nq"]):
-        yield rec["question"] + " " + " ".join(rec["answers"])
-        for c in rec.get("ctxs", []):
-            yield c["title"] + "\n" + c["text"]
-    for path in sorted((d / "hotpotqa").glob("distractor_dev_sample_*.jsonl")):
-        for rec in _jsonl(path):
-            yield rec["question"] + " " + rec["answer"]
-            for title, sents in zip(rec["context"]["title"], rec["context"]["sentences"]):
-                yield title + "\n" + "".join(sents)
+    for key, rel in (("wiki", _WIKI), ("nq", _NQ_ORACLE)):
+        if not (d / rel).exists():
+            raise MissingDataError(d / rel, f"data_dir ({key} file)")
+    for p in iter_passages(d / _WIKI, "wiki18"):
+        yield p.title + "\n" + p.text
+    for qa in load_qa(d / _NQ_ORACLE, "nq_oracle"):
+        yield qa.question + " " + " ".join(qa.answers)
+        for title, text in qa.passages:
+            yield title + "\n" + text
+    for path in sorted(d.glob(_HOTPOT_GLOB)):
+        for qa in load_qa(path, "hotpotqa_hf"):
+            yield qa.question + " " + qa.answers[0]
+            for title, text in qa.passages:
+                yield title + "\n" + text

@@ -1,0 +1,86 @@
+"""The `memopd retrieval ...` steps: corpus, index, recall (+ timing), search. `cfg` is the `retrieval`
+section of the config."""
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+
+from memopd.retrieval import format_passages, load_retriever
+from memopd.retrieval.corpus import build_corpus, read_corpus
+from memopd.retrieval.recall import RECALL_COLUMNS, recall_rows, sample_questions, time_queries
+
+BACKENDS = ("bm25", "e5")
+
+
+def corpus_step(cfg: dict, data_dir: str | Path, out: str | Path) -> dict:
+    stats = build_corpus(cfg["corpus"], data_dir, out, record={"corpus": cfg["corpus"], "data_dir": str(data_dir)})
+    print(f"corpus: {stats['passages']:,} passages {stats['by_source']} -> {out}")
+    return stats
+
+
+def index_step(cfg: dict, corpus_path: str | Path, out_dir: str | Path, online: bool = False) -> dict:
+    backend = cfg.get("backend", "bm25")
+    if backend not in BACKENDS:
+        raise ValueError(f"retrieval.backend: unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
+    corpus = read_corpus(corpus_path)
+    record = {"retrieval": cfg, "corpus": str(corpus_path)}
+    if backend == "bm25":
+        from memopd.retrieval.bm25 import build_index
+
+        info = build_index(corpus, out_dir, cfg.get("bm25"), record)
+    else:
+        from memopd.retrieval.dense import build_index
+
+        info = build_index(corpus, out_dir, cfg.get("dense"), record, online=online)
+    print(f"index ({backend}): {info['passages']:,} passages in {info['build_seconds']:.2f} s -> {out_dir}")
+    return info
+
+
+def recall_step(cfg: dict, index_dir: str | Path, data_dir: str | Path, seed: int, out: str | Path,
+                timing_out: str | Path) -> list[dict]:
+    """The three recall figures (CSV: dataset, metric, k, hits, total) and a timing row:
+    index build seconds (as measured when the index was built) and `timing_queries` batched searches."""
+    rc = cfg.get("recall", {})
+    t0 = time.perf_counter()
+    retriever = load_retriever(index_dir)
+    load_s = time.perf_counter() - t0
+    questions = sample_questions(rc["sources"], data_dir, rc.get("questions", 300), seed)
+    rows = recall_rows(retriever, questions, rc.get("nq_k", 5), rc.get("hotpot_k", 10))
+    pool = [q.question for qs in questions.values() for q in qs] or ["wikipedia"]
+    n = rc.get("timing_queries", 1000)
+    timing = time_queries(retriever, (pool * (n // len(pool) + 1))[:n], k=rc.get("timing_k", 3))
+    meta = json.loads((Path(index_dir) / "meta.json").read_text())
+    trow = {"backend": meta["backend"], "passages": meta["passages"], "build_seconds": round(meta["build_seconds"], 3),
+            "load_seconds": round(load_s, 3), "queries": timing["queries"], "k": timing["k"],
+            "query_seconds": round(timing["seconds"], 3), "queries_per_second": round(timing["queries_per_second"], 1)}
+    _write_csv(out, rows, RECALL_COLUMNS)
+    _write_csv(timing_out, [trow], list(trow))
+    for r in rows:
+        print(f"{r['dataset']:8s} {r['metric']:20s} @{r['k']:<3d} {r['hits']}/{r['total']}")
+    print(f"{meta['backend']}: {meta['passages']:,} passages, build {trow['build_seconds']} s, "
+          f"{timing['queries']} queries in {trow['query_seconds']} s")
+    return rows
+
+
+def search_step(index_dir: str | Path, queries: list[str], k: int) -> None:
+    retriever = load_retriever(index_dir)
+    for q, hits in zip(queries, retriever.search(queries, k)):
+        print(f"# {q}")
+        print(format_passages(hits) or "(no hits)")
+        print("scores: " + ", ".join(f"{h.id}={h.score:.2f}" for h in hits))
+
+
+def _write_csv(path: str | Path, rows: list[dict], columns) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(columns))
+            w.writeheader()
+            w.writerows(rows)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
