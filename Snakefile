@@ -2,7 +2,12 @@
 # Every rule is a thin call of the `memopd` CLI; the rules live in workflow/rules/.
 
 
-configfile: "config/config.yaml"
+# The embedded default, unless a config file is given (`--configfile config/paper.yaml`, or the slurm
+# profile): given files replace it instead of being deep-merged into it, so a pretrained model spec
+# never inherits the tiny model's keys.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 include: "workflow/rules/common.smk"
