@@ -99,8 +99,10 @@ def test_prefix_is_chat_template_and_stable():
 
 def test_observation_ids_and_budget():
     tok = tokenizer()
-    obs = Observation("Doc 1 (Title: Paris) Paris is the capital of France. " * 20, turns_left=1)
-    ids = obs.ids(tok, max_body_tokens=10)
+    obs = Observation("Doc 1 (Title: Paris) Paris is the capital of France. " * 20, turns_left=1, notice="Bad.")
+    ids = obs.ids(tok, max_passage_tokens=10)
     text = tok.decode(ids, skip_special_tokens=False)
-    assert text.startswith("\n" + INFO) and INFO_END in text and "last turn" in text
-    assert len(ids) == len(encode(tok, "\n" + INFO)) + 10 + len(encode(tok, INFO_END + "\n" + "This is your last turn: answer now.\n"))
+    assert text.startswith("\n" + INFO + "Bad.\nDoc 1 (Title:") and text.endswith(INFO_END + "\nThis is your last turn: answer now.\n")
+    tail = encode(tok, INFO_END + "\n" + "This is your last turn: answer now.\n")
+    assert len(ids) == len(encode(tok, "\n" + INFO)) + len(encode(tok, "Bad.\n")) + 10 + len(tail)
+    assert tok.decode(Observation("", 3, notice="Bad.").ids(tok), skip_special_tokens=False) == "\n" + INFO + "Bad." + INFO_END + "\nYou have 3 turns left.\n"

@@ -173,13 +173,17 @@ def invalid_text(reason: str) -> str:
 
 @dataclass
 class Observation:
-    """The parts of an observation, tokenised separately so that the body can be cut to a budget."""
+    """One observation: an optional notice (invalid action), retrieved passages, the turn hint. The parts
+    are tokenised separately so that the passages alone can be cut to a token budget."""
 
-    body: str
+    passages: str
     turns_left: int
+    notice: str = ""
 
-    def ids(self, tokenizer, max_body_tokens: int | None = None) -> list[int]:
-        body = encode(tokenizer, self.body)
-        if max_body_tokens is not None:
-            body = body[:max_body_tokens]  # fresh context: cutting it changes no recorded action
-        return encode(tokenizer, "\n" + INFO) + body + encode(tokenizer, INFO_END + "\n" + turn_hint(self.turns_left) + "\n")
+    def ids(self, tokenizer, max_passage_tokens: int | None = None) -> list[int]:
+        body = encode(tokenizer, self.passages)
+        if max_passage_tokens is not None:
+            body = body[:max_passage_tokens]  # fresh context: cutting it changes no recorded action
+        notice = encode(tokenizer, self.notice + ("\n" if body else "")) if self.notice else []
+        tail = encode(tokenizer, INFO_END + "\n" + turn_hint(self.turns_left) + "\n")
+        return encode(tokenizer, "\n" + INFO) + notice + body + tail

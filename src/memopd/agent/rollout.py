@@ -43,7 +43,7 @@ class AgentConfig:
     invalid_action: str = "end"  # "end": an invalid action ends the episode; "continue": it is told and goes on
     invalid_penalty: float = 0.0  # subtracted from the reward per invalid action
     top_k: int = 3  # passages per search
-    max_observation_tokens: int = 256  # cut of the passages' text in one observation
+    max_observation_tokens: int = 256  # cut of the passages' tokens in one observation
     max_input_tokens: int = 3072  # an input longer than this ends the episode ("context_overflow")
     max_query_chars: int = 512
     reward: str = "em"  # "em" or "f1" of the final answers
@@ -109,10 +109,8 @@ class _Env:
         found = iter(self.retriever.search(todo, self.cfg.top_k) if todo else [])
         out = []
         for (s, a), q in zip(items, queries):
-            parts = [invalid_text(a.reason)] if not a.valid else []
-            if q:
-                parts.append(format_passages(next(found)))
-            obs = Observation("\n".join(parts), turns_left=s.max_turns - len(s.invocations))
+            obs = Observation(format_passages(next(found)) if q else "", turns_left=s.max_turns - len(s.invocations),
+                              notice="" if a.valid else invalid_text(a.reason))
             out.append(obs.ids(self.tok, self.cfg.max_observation_tokens))
         return out
 
