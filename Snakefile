@@ -8,6 +8,7 @@ configfile: "config/config.yaml"
 include: "workflow/rules/common.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/audit.smk"
+include: "workflow/rules/eval.smk"
 
 
 rule all:

@@ -106,3 +106,19 @@ def test_observation_ids_and_budget():
     tail = encode(tok, INFO_END + "\n" + "This is your last turn: answer now.\n")
     assert len(ids) == len(encode(tok, "\n" + INFO)) + len(encode(tok, "Bad.\n")) + 10 + len(tail)
     assert tok.decode(Observation("", 3, notice="Bad.").ids(tok), skip_special_tokens=False) == "\n" + INFO + "Bad." + INFO_END + "\nYou have 3 turns left.\n"
+
+
+def test_format_passages_dicts_and_objects():
+    from dataclasses import dataclass
+
+    from memopd.agent.protocol import format_passages
+
+    @dataclass
+    class Hit:  # the shape of memopd.retrieval's hits
+        id: str
+        title: str
+        text: str
+        score: float
+
+    assert format_passages([{"title": "A", "text": "x"}, Hit("2", "B", "y", 1.0)]) == "Doc 1 (Title: A) x\nDoc 2 (Title: B) y"
+    assert format_passages([]) == "No results."

@@ -63,8 +63,9 @@ def test_invalid_action_ends_episode():
 
 
 def test_turn_budget_by_benchmark():
-    cfg = AgentConfig(turns={"default": 3, "q8": 5})
+    cfg = AgentConfig(turns={"default": 3, "q8": 5, "wiki_rag": 4})
     assert cfg.max_turns("q8_test") == 5 and cfg.max_turns("Q8") == 5 and cfg.max_turns("q16_test") == 3
+    assert cfg.max_turns("wiki_rag_test") == 4 and cfg.max_turns("wiki_rag") == 4
     task = nq_tasks(1, n_questions=2, benchmark="q8_test")
     (ep,), _ = _run(["<think>m</think><search>who</search>"] * 5, cfg, task)
     assert len(ep.invocations) == 5 and ep.metrics["end_reason"] == "turn_budget" and ep.reward == 0.0

@@ -161,9 +161,16 @@ def turn_hint(turns_left: int) -> str:
     return f"You have {turns_left} turns left."
 
 
-def format_passages(passages: list[dict]) -> str:
-    """Retrieved passages as the agent sees them: `Doc i (Title: ...) text`, one per line."""
-    return "\n".join(f"Doc {i + 1} (Title: {p.get('title', '')}) {p.get('text', '')}" for i, p in enumerate(passages))
+def format_passages(passages) -> str:
+    """Retrieved passages as the agent sees them: `Doc i (Title: ...) text`, one per line (MEM1 /
+    Search-R1 layout). Passages are dicts or objects with `title` and `text` (memopd.retrieval's Hit)."""
+    if not passages:
+        return "No results."
+
+    def get(p, key):
+        return p.get(key, "") if isinstance(p, dict) else getattr(p, key, "")
+
+    return "\n".join(f"Doc {i + 1} (Title: {get(p, 'title')}) {get(p, 'text')}" for i, p in enumerate(passages))
 
 
 def invalid_text(reason: str) -> str:

@@ -11,6 +11,7 @@ reproducible and does not depend on how episodes were batched together.
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields
@@ -67,10 +68,11 @@ class AgentConfig:
         return cls(**{**cfg, **overrides})
 
     def max_turns(self, benchmark: str) -> int:
-        """Budget by exact benchmark name, then by its family (`q16_test` -> `q16`), then `default`."""
+        """Budget by exact benchmark name, then without its split (`wiki_rag_test` -> `wiki_rag`), then
+        `default`."""
         b = benchmark.lower()
         turns = {k.lower(): v for k, v in self.turns.items()}
-        return int(turns.get(b, turns.get(b.split("_")[0], turns["default"])))
+        return int(turns.get(b, turns.get(re.sub(r"_(train|test|dev|val)$", "", b), turns["default"])))
 
 
 def call_seed(seed: int, index: int, task_id: str, call: int) -> int:
