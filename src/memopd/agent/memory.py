@@ -31,7 +31,7 @@ class Turn:
     """A finished call as the rules see it."""
 
     output_ids: list[int]  # the sampled response, exactly as recorded
-    think_len: int  # tokens output_ids[:think_len] hold the leading <think> block (0: none)
+    think_len: int  # output_ids[:think_len] ends with the </think> of the <think> block (0: no block)
     observation: list[int]  # fresh observation ids shown after this call
 
 

@@ -29,7 +29,9 @@ END_REASONS = ("answer", "invalid", "turn_budget", "context_overflow")
 class Retriever(Protocol):
     """What the agent needs from retrieval (memopd.retrieval provides it)."""
 
-    def search(self, queries: list[str], k: int) -> list[list[dict]]:  # dicts with id, title, text, score
+    def search(self, queries: list[str], k: int) -> list:
+        """Per query, the top-k passages best first: dicts or objects (memopd.retrieval's Hit) with at
+        least `title` and `text`."""
         ...
 
 
