@@ -14,6 +14,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/audit.smk"
 include: "workflow/rules/benchmarks.smk"
+include: "workflow/rules/eval.smk"
 
 
 rule all:

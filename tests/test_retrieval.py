@@ -105,7 +105,7 @@ def test_format_passages():
     hits = [Hit("x", "Evan Morris", "Evan L. Morris was a lobbyist.", 3.0), Hit("y", "Tappet", "A tappet.", 1.0)]
     assert format_passages(hits) == ("Doc 1 (Title: Evan Morris) Evan L. Morris was a lobbyist.\n"
                                      "Doc 2 (Title: Tappet) A tappet.")
-    assert format_passages([]) == ""
+    assert format_passages([]) == "No results."
 
 
 def test_load_retriever_rejects_a_non_index(tmp_path):

@@ -150,6 +150,65 @@ def cmd_retrieval_search(args, cfg):
     search_step(args.index, args.query, args.k)
 
 
+def _agent_setup(args, cfg, **sampling):
+    """Backend, tokenizer, model, tasks, retriever and agent config of the agent steps."""
+    from memopd.agent.evaluate import load_retriever, load_tasks, make_backend
+    from memopd.agent.rollout import AgentConfig
+
+    import torch
+
+    torch.manual_seed(args.seed)
+    backend, tok, model = make_backend(cfg["rollout"], args.model, seed=args.seed, **sampling)
+    tasks = load_tasks(args.benchmark, limit=args.limit)
+    agent = AgentConfig.from_dict(cfg["agent"], batch_size=cfg["rollout"]["batch_size"])
+    return backend, tok, model, tasks, load_retriever(args.index), agent
+
+
+def cmd_eval(args, cfg):
+    from memopd.agent.evaluate import episode_rows, evaluate
+    from memopd.records import save_episodes
+
+    ev = cfg.get("eval", {})
+    overrides = {k: ev[k] for k in ("temperature",) if k in ev}
+    args.limit = args.limit or ev.get("max_tasks")
+    backend, tok, _, tasks, retriever, agent = _agent_setup(args, cfg, **overrides)
+    out, episodes = evaluate(tasks, backend, tok, retriever, agent, seed=args.seed)
+    out.update(model=args.model, benchmark=args.benchmark, backend=backend.name, config={**cfg, "seed": args.seed})
+    out_path = Path(args.out)
+    _write_json(out_path, out)
+    _write_csv(out_path.with_suffix(".csv"), episode_rows(episodes))
+    save_episodes(out_path.with_suffix(".episodes.parquet"), episodes)
+    print(f"{len(episodes)} episodes: EM {out['em']:.3f} F1 {out['f1']:.3f} calls/ep {out['calls_per_episode']:.2f} "
+          f"invalid {out['invalid_action_rate']:.3f} peak {out['peak_context_tokens']:.0f} "
+          f"{out['throughput']['episodes_per_s']:.2f} ep/s {out['throughput']['generated_tokens_per_s']:.0f} tok/s")
+
+
+def cmd_rce_rollouts(args, cfg):
+    from dataclasses import replace
+
+    from memopd.agent.evaluate import rce_rollouts
+    from memopd.agent.memory import RULES
+    from memopd.models import load_model
+
+    rc = cfg["rce_rollouts"]
+    args.limit = args.limit or rc["tasks"]
+    backend, tok, model, tasks, retriever, agent = _agent_setup(args, cfg, max_new_tokens=rc["max_new_tokens"])
+    if model is None or str(model.dtype).split(".")[-1] != rc["dtype"]:
+        # the packed and independent passes run under transformers in the audit's dtype
+        model = load_model(args.model, dtype=rc["dtype"])
+    agent = replace(agent, invalid_action=rc.get("invalid_action", agent.invalid_action))
+    report = rce_rollouts(model, backend, tok, tasks, retriever, agent, rules=rc.get("rules") or RULES,
+                          backends=rc["backends"], dtype=rc["dtype"], tolerance=rc.get("tolerance"), seed=args.seed)
+    report["config"] = {**cfg, "seed": args.seed, "model": args.model, "benchmark": args.benchmark}
+    _write_json(args.out, report)
+    for rule, r in report["rules"].items():
+        print(f"{rule:20s} " + "  ".join(f"{b} {x['max_abs_dlogp']:.2e}" for b, x in r["backends"].items())
+              + f"  behaviour {r['behaviour_vs_recomputed'].get('max_abs_dlogp', float('nan')):.2e}"
+              + f"  {'PASS' if r['passed'] else 'FAIL'}")
+    if not report["passed"] and args.strict:
+        sys.exit(f"rollout RCE failed; report in {args.out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memopd", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -176,6 +235,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--data-dir", default="data")
     sp.add_argument("--out", required=True, help="JSON report (a CSV is written beside it)")
     sp.add_argument("--strict", action="store_true", help="exit non-zero when any backend fails")
+
+    def agent_args(sp):
+        sp.add_argument("--model", required=True, help="model directory")
+        sp.add_argument("--benchmark", required=True, help="benchmark parquet (results/benchmarks/*.parquet)")
+        sp.add_argument("--index", required=True, help="retrieval index directory (memopd.retrieval)")
+        sp.add_argument("--limit", type=int, help="first N tasks only")
+        sp.add_argument("--out", required=True)
+
+    sp = add("eval", cmd_eval, "roll the agent out on a benchmark: aggregate JSON + per-episode CSV + episodes")
+    agent_args(sp)
+    sp = add("rce-rollouts", cmd_rce_rollouts, "RCE of real rollouts under every memory-rewrite rule")
+    agent_args(sp)
+    sp.add_argument("--strict", action="store_true", help="exit non-zero when any rule or backend fails")
 
     bench = sub.add_parser("bench", help="benchmarks that print figures").add_subparsers(dest="bench_command", required=True)
     sp = add("packing", cmd_bench_packing, "packing benchmark: 9 configurations, every exact path, with RCE", bench)

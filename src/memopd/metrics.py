@@ -12,7 +12,7 @@ Answer quality
   per-task mean over questions (the fraction the tables report) and the MEM1-style sum.
 
 Cost
-- `peak_context`: the largest input of any call (tokens).
+- `peak_context`: the most tokens any one call held (input + its generated response).
 - `dependency`: sum over generated segments s of (|context| + |s|/2) * |s| -- the attention-cost
   integral of generating s after a context of |context| tokens.
 - `WallClock`: inference time measured as wall clock (time.perf_counter).
@@ -77,14 +77,20 @@ def split_answers(text: str | None) -> list[str]:
 
 
 def score_answer(prediction: str | None, gold: Sequence[Sequence[str]]) -> dict:
-    """Score one task's answer string against its questions' alias lists (in question order).
+    """Score one task's answer string ('a1; a2; ...') against its questions' alias lists (in question
+    order); `prediction=None` (no answer) scores 0. See `score_answers`."""
+    return score_answers(split_answers(prediction), gold)
+
+
+def score_answers(preds: Sequence[str], gold: Sequence[Sequence[str]]) -> dict:
+    """Score predicted answers (already split, matched to questions by order) against alias lists.
 
     Returns {"em", "f1"} (means over the n questions), {"em_sum", "f1_sum"} (MEM1-style sums), and
-    per-question lists "em_per_question", "f1_per_question"; `prediction=None` (no answer) scores 0.
+    per-question lists "em_per_question", "f1_per_question"; missing answers score 0, extra ones are
+    ignored.
     """
     if not gold:
         raise ValueError("a task has at least one question")
-    preds = split_answers(prediction)
     em = [exact_match(preds[i], g) if i < len(preds) else 0.0 for i, g in enumerate(gold)]
     f1 = [f1_score(preds[i], g) if i < len(preds) else 0.0 for i, g in enumerate(gold)]
     n = len(gold)
@@ -101,7 +107,8 @@ def mean_scores(scores: Iterable[dict], keys: Sequence[str] = ("em", "f1", "em_s
 
 
 def peak_context(context_lengths: Iterable[int]) -> int:
-    """The largest number of input tokens any call of an episode saw (0 for no call)."""
+    """The most tokens held at once by any call of an episode (0 for no call). The agent passes
+    |input| + |generated| per call: the context the model attends over when it emits its last token."""
     return max(context_lengths, default=0)
 
 

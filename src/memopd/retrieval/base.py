@@ -31,5 +31,7 @@ class Retriever(ABC):
 
 def format_passages(hits: Sequence[Hit]) -> str:
     """Passages for the agent's <information> block, one per line: `Doc i (Title: title) text`
-    (MEM1 / Search-R1 layout, numbered from 1)."""
+    (MEM1 / Search-R1 layout, numbered from 1); "No results." when there are none."""
+    if not hits:
+        return "No results."
     return "\n".join(f"Doc {i} (Title: {h.title}) {h.text}" for i, h in enumerate(hits, 1))

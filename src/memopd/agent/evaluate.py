@@ -1,0 +1,131 @@
+"""Evaluation and the rollout RCE audit: the library side of `memopd eval` and `memopd rce-rollouts`.
+
+Aggregates (results/eval/{model}/{benchmark}.json): em and f1 are fractions, averaged per question
+inside a task and then over tasks; peak_context_tokens, dependency and calls_per_episode are means over
+episodes; inference_time_s is the measured wall clock of the whole evaluation divided by the number of
+episodes (episodes run batched, so this is throughput-based time per task; the total is
+inference_time_total_s); invalid_action_rate = invalid actions / calls.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from memopd.agent.backends import HFBackend, Sampling, VLLMBackend
+from memopd.agent.memory import RULES
+from memopd.agent.protocol import Task
+from memopd.agent.rollout import AgentConfig, rollout
+from memopd.records import Episode
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
+
+
+def load_tasks(path: str | Path, limit: int | None = None) -> list[Task]:
+    """Tasks of a benchmark parquet (memopd.data.compose): n questions with their alias lists."""
+    from memopd.data.compose import read_tasks
+
+    rows = read_tasks(path)[:limit]
+    return [Task(r["task_id"], list(r["questions"]), [list(a) for a in r["answers"]], r["benchmark"]) for r in rows]
+
+
+def load_retriever(path: str | Path):
+    """The retrieval index built by `memopd retrieval index` (BM25 or dense, as recorded there)."""
+    from memopd.retrieval import load_retriever as load
+
+    return load(path)
+
+
+def make_backend(rollout_cfg: dict, model_dir: str | Path, seed: int = 0, **sampling_overrides):
+    """The generation backend named by the `rollout` config section (`hf` or `vllm`)."""
+    from memopd.models import load_model, load_tokenizer
+
+    sampling = Sampling(**{**{k: rollout_cfg[k] for k in SAMPLING_KEYS if k in rollout_cfg}, **sampling_overrides})
+    tok = load_tokenizer(model_dir)
+    if rollout_cfg.get("backend", "hf") == "vllm":
+        v = rollout_cfg.get("vllm", {})
+        return VLLMBackend(str(model_dir), tok, sampling, dtype=rollout_cfg.get("dtype", "bfloat16"), seed=seed,
+                           gpu_memory_utilization=v.get("gpu_memory_utilization", 0.85),
+                           max_model_len=v.get("max_model_len")), tok, None
+    device = rollout_cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(model_dir, dtype=rollout_cfg.get("dtype", "float32"), device=device)
+    return HFBackend(model, tok, sampling), tok, model
+
+
+def aggregate(episodes: list[Episode], wall_s: float) -> dict:
+    n = len(episodes)
+    calls = sum(len(e.invocations) for e in episodes)
+
+    def mean(key):
+        return sum(e.metrics[key] for e in episodes) / n if n else 0.0
+
+    return {
+        "episodes": n, "em": mean("em"), "f1": mean("f1"), "peak_context_tokens": mean("peak_context_tokens"),
+        "inference_time_s": wall_s / n if n else 0.0, "dependency": mean("dependency"),
+        "calls_per_episode": calls / n if n else 0.0,
+        "invalid_action_rate": sum(e.metrics["invalid_actions"] for e in episodes) / calls if calls else 0.0,
+        "inference_time_total_s": wall_s, "answered_rate": mean("answered"),
+        "peak_context_tokens_max": max((e.metrics["peak_context_tokens"] for e in episodes), default=0),
+    }
+
+
+ROW_KEYS = ("em", "f1", "answered", "end_reason", "calls", "searches", "invalid_actions", "peak_context_tokens",
+            "dependency", "generated_tokens", "retained_spans")
+
+
+def episode_rows(episodes: list[Episode]) -> list[dict]:
+    return [{"task_id": e.task_id, "reward": e.reward, **{k: e.metrics[k] for k in ROW_KEYS},
+             "predictions": " ; ".join(e.metrics["predictions"]),
+             "gold": " ; ".join("|".join(a) for a in e.metrics["gold"]),
+             "actions": " ".join(e.metrics["actions"])} for e in episodes]
+
+
+def evaluate(tasks: list[Task], backend, tokenizer, retriever, agent: AgentConfig, seed: int = 0,
+             progress: bool = True) -> tuple[dict, list[Episode]]:
+    stats: dict = {}
+    t0 = time.perf_counter()
+    episodes = rollout(tasks, backend, tokenizer, retriever, agent, seed=seed, progress=progress, stats=stats)
+    wall = time.perf_counter() - t0
+    out = aggregate(episodes, wall)
+    out["throughput"] = {"episodes_per_s": len(episodes) / wall if wall else 0.0,
+                         "generated_tokens_per_s": stats["generated_tokens"] / wall if wall else 0.0, **stats}
+    return out, episodes
+
+
+def behaviour_mismatch(model, episodes: list[Episode]) -> dict:
+    """|behaviour log-prob - independent recomputation| over the sampled tokens that carry one."""
+    from memopd.attention import independent_logits, token_logprobs
+
+    eps = [e for e in episodes if all(i.logprobs is not None for i in e.invocations)]
+    if not eps:
+        return {"tokens": 0}
+    with torch.no_grad():
+        ref = token_logprobs(independent_logits(model, eps),
+                             torch.tensor([t for e in eps for i in e.invocations for t in i.output_ids]))
+    beh = torch.tensor([lp for e in eps for i in e.invocations for lp in i.logprobs], dtype=ref.dtype)
+    d = (ref.cpu() - beh).abs()
+    return {"tokens": int(d.numel()), "max_abs_dlogp": d.max().item(), "mean_abs_dlogp": d.mean().item(),
+            "p99_abs_dlogp": torch.quantile(d.double(), 0.99).item()}
+
+
+def rce_rollouts(model, backend, tokenizer, tasks: list[Task], retriever, agent: AgentConfig, rules=RULES,
+                 backends=("sdpa", "eager", "flex", "prefix_shared"), dtype: str = "float32",
+                 tolerance: float | None = None, seed: int = 0, progress: bool = True) -> dict:
+    """Roll out `tasks` under every rule, compile, and check RCE; plus the behaviour log-prob mismatch."""
+    from dataclasses import replace
+
+    from memopd.rce import rce_report
+
+    report = {"dtype": dtype, "rules": {}}
+    for rule in rules:
+        cfg = replace(agent, rule=rule)
+        eps = rollout(tasks, backend, tokenizer, retriever, cfg, seed=seed, progress=progress)
+        r = rce_report(model, eps, list(backends), dtype=dtype, tolerance=tolerance)
+        r["calls"] = sum(len(e.invocations) for e in eps)
+        r["retained_tokens"] = sum(s.length for e in eps for i in e.invocations for s in i.retained)
+        r["behaviour_vs_recomputed"] = behaviour_mismatch(model, eps)
+        report["rules"][rule] = r
+    report["tolerance"] = next(iter(report["rules"].values()))["tolerance"] if report["rules"] else tolerance
+    report["passed"] = all(r["passed"] for r in report["rules"].values())
+    return report

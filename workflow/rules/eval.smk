@@ -1,0 +1,64 @@
+# Agent evaluation and the RCE audit of real rollouts (src/memopd/agent).
+# Inputs from the benchmarks/retrieval step (issue 3): results/benchmarks/{benchmark}.parquet and the
+# index directory results/retrieval/index.
+
+AGENT_SRC = src("agent/__init__", "agent/protocol", "agent/memory", "agent/backends", "agent/rollout",
+                "agent/evaluate", "records", "cli")
+RETRIEVAL_INDEX = "results/retrieval/index"
+# vLLM generation needs the GPU environment; the HF backend runs in the CPU one (GPU too, if present)
+AGENT_ENV = "../../envs/gpu.yaml" if config["rollout"]["backend"] == "vllm" else "../../envs/cpu.yaml"
+
+
+rule eval:
+    input:
+        AGENT_SRC,
+        model="results/models/{model}/model.safetensors",
+        benchmark="results/benchmarks/{benchmark}.parquet",
+        index=RETRIEVAL_INDEX,
+    output:
+        json="results/eval/{model}/{benchmark}.json",
+        csv="results/eval/{model}/{benchmark}.csv",
+        episodes="results/eval/{model}/{benchmark}.episodes.parquet",
+    params:
+        cfg=lambda w: json.dumps({k: config[k] for k in ("agent", "rollout", "eval")}, sort_keys=True),
+        seed=config["seed"],
+        model=lambda w, input: os.path.dirname(input.model),
+    conda:
+        AGENT_ENV
+    log:
+        f"{LOGS}/eval_{{model}}_{{benchmark}}.log",
+    benchmark:
+        f"{LOGS}/bench/eval_{{model}}_{{benchmark}}.tsv"
+    shell:
+        "memopd eval --cfg {params.cfg:q} --seed {params.seed} --model {params.model} "
+        "--benchmark {input.benchmark} --index {input.index} --out {output.json} > {log} 2>&1"
+
+
+rule eval_all:
+    input:
+        expand("results/eval/{model}/{benchmark}.json", model=config["eval"]["models"],
+               benchmark=config["eval"]["benchmarks"]),
+
+
+rule rce_rollouts:
+    input:
+        AGENT_SRC,
+        src("packing", "attention", "rce"),
+        model="results/models/student_init/model.safetensors",
+        benchmark=f"results/benchmarks/{config['rce_rollouts']['benchmark']}.parquet",
+        index=RETRIEVAL_INDEX,
+    output:
+        "results/audit/rce_rollouts.json",
+    params:
+        cfg=lambda w: json.dumps({k: config[k] for k in ("agent", "rollout", "rce_rollouts")}, sort_keys=True),
+        seed=config["seed"],
+        model=lambda w, input: os.path.dirname(input.model),
+    conda:
+        AGENT_ENV
+    log:
+        f"{LOGS}/rce_rollouts.log",
+    benchmark:
+        f"{LOGS}/bench/rce_rollouts.tsv"
+    shell:
+        "memopd rce-rollouts --cfg {params.cfg:q} --seed {params.seed} --model {params.model} "
+        "--benchmark {input.benchmark} --index {input.index} --out {output} --strict > {log} 2>&1"
