@@ -209,6 +209,44 @@ def cmd_rce_rollouts(args, cfg):
         sys.exit(f"rollout RCE failed; report in {args.out}")
 
 
+def cmd_train(args, cfg):
+    import shutil
+
+    from memopd.train.loop import train_run
+
+    hist = train_run(cfg, args.method, args.seed, args.student, args.teacher, args.tasks, args.index, args.out_dir,
+                     stop_after=args.stop_after)
+    if args.export and (Path(args.out_dir) / "model").exists():  # the final policy, evaluated like any model
+        shutil.copytree(Path(args.out_dir) / "model", args.export, dirs_exist_ok=True)
+    if hist:
+        last = hist[-1]
+        print(f"{args.method} seed {args.seed}: step {last['step'] + 1} reward/f1 {last['reward/f1']:.3f} "
+              f"rce {last.get('rce/max_abs_dlogp', float('nan')):.1e} step {last['time/step_s']:.1f}s")
+
+
+def cmd_report_results(args, cfg):
+    from memopd.report.results import METRICS, horizon_figure, load_scores, table_rows
+    from memopd.report.tables import write_table
+
+    methods, seeds = cfg["methods"], cfg["seeds"]
+    horizons = cfg["horizons"]  # {benchmark: label}
+    caption = (f"{{}}: mean +- std over seeds {seeds}, 95% bootstrap CI over seeds, change vs PPO in %, paired "
+               f"per-seed difference vs PPO; student {cfg['student']}, teacher {cfg['teacher']}, "
+               f"{cfg['steps']} steps x {cfg['batch_tasks']} tasks; EM/F1 = per-task mean over questions")
+    q = {b: h for b, h in horizons.items() if h != "wikirag"}
+    scores = load_scores(args.eval_dir, methods, seeds, list(horizons))
+    multi = table_rows(scores, methods, q, METRICS["multiobjective"])
+    write_table(multi, Path(args.out_dir) / "multiobjective.csv", caption.format("Multi-objective (Q2 train)"))
+    wiki = {b: h for b, h in horizons.items() if h == "wikirag"}
+    if wiki:
+        write_table(table_rows(scores, methods, wiki, METRICS["wikirag"]), Path(args.out_dir) / "wikirag.csv",
+                    caption.format("Wiki-RAG"))
+    q2 = {b: h for b, h in q.items() if h == "Q2"}
+    write_table(table_rows(scores, methods, q2, METRICS["matched_control"]), Path(args.out_dir) / "matched_control.csv",
+                caption.format("Matched control on Q2 (teacher on the exact state vs on the persistent history)"))
+    horizon_figure(multi, args.figure)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memopd", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -248,6 +286,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("rce-rollouts", cmd_rce_rollouts, "RCE of real rollouts under every memory-rewrite rule")
     agent_args(sp)
     sp.add_argument("--strict", action="store_true", help="exit non-zero when any rule or backend fails")
+
+    sp = add("train", cmd_train, "one PPO / MemOPD run (method, seed): rollouts, exact packed updates, checkpoints")
+    sp.add_argument("--method", required=True, choices=["ppo", "memopd", "memopd_persistent"])
+    sp.add_argument("--student", required=True, help="SFT student directory (policy, critic and reference init)")
+    sp.add_argument("--teacher", required=True, help="frozen teacher directory")
+    sp.add_argument("--tasks", required=True, help="training benchmark parquet")
+    sp.add_argument("--index", required=True, help="retrieval index directory")
+    sp.add_argument("--out-dir", required=True, help="run directory (metrics.jsonl, checkpoint/, model/)")
+    sp.add_argument("--export", help="also copy the final policy here (a model directory)")
+    sp.add_argument("--stop-after", type=int, help="stop after N steps of this invocation (resume tests)")
+
+    report = sub.add_parser("report", help="tables and figures").add_subparsers(dest="report_command", required=True)
+    sp = add("results", cmd_report_results, "Tables 1-2 and the matched control from the evaluations", report)
+    sp.add_argument("--eval-dir", default="results/eval")
+    sp.add_argument("--out-dir", default="results/tables")
+    sp.add_argument("--figure", default="results/figures/f1_vs_horizon.png")
 
     bench = sub.add_parser("bench", help="benchmarks that print figures").add_subparsers(dest="bench_command", required=True)
     sp = add("packing", cmd_bench_packing, "packing benchmark: 9 configurations, every exact path, with RCE", bench)

@@ -15,6 +15,7 @@ persistent-history flattening at the same action tokens; the student side is unc
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -119,8 +120,10 @@ def ppo_update(episodes: list[Episode], policy, ref, critic: ValueModel, teacher
         sample = rng.sample(episodes, min(cfg.rce_sample, len(episodes)))
         r = guard(policy, sample, cfg.backend, dtype=cfg.dtype)  # raises RCEError naming episode and call
         metrics["rce/max_abs_dlogp"] = r["max_abs_dlogp"]
+    t0 = time.perf_counter()
     scored = score_batch(episodes, policy, ref, critic, teacher, cfg)
     advantages(scored, episodes, cfg)
+    t_score = time.perf_counter() - t0
     all_adv = torch.cat([s["advantages"] for s in scored])
     mean, std = all_adv.mean(), all_adv.std().clamp_min(1e-6) if all_adv.numel() > 1 else torch.tensor(1.0)
     lam = 0.0 if cfg.method == "ppo" else cfg.opd_coef
@@ -162,6 +165,9 @@ def ppo_update(episodes: list[Episode], policy, ref, critic: ValueModel, teacher
             critic_opt.step()
     policy.eval()
     critic.eval()
+    metrics["time/score_s"] = t_score
+    metrics["time/update_s"] = time.perf_counter() - t0 - t_score
+    metrics["tokens/packed"] = int(sum(len(s["packed"]) for s in scored))
     metrics.update({k: sum(v) / len(v) for k, v in sums.items()})
     metrics["reward/task"] = sum(float(ep.reward or 0.0) for ep in episodes) / len(episodes)
     metrics["reward/kl_ref"] = torch.cat([s["kl_ref"] for s in scored]).mean().item()

@@ -1,0 +1,75 @@
+"""The training run: real rollouts of a protocol-speaking tiny student, exact packed updates, resume."""
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from agent_support import ROOT, nq_tasks, protocol_student, random_student, retriever, tokenizer
+from memopd.report.results import bootstrap_ci, table_rows
+from memopd.train.loop import task_order, train_run
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train")
+    protocol_student().save_pretrained(d / "student")
+    tokenizer().save_pretrained(d / "student")
+    random_student(7).save_pretrained(d / "teacher")
+    tokenizer().save_pretrained(d / "teacher")
+    tasks = nq_tasks(12, n_questions=2, start=40, benchmark="q2_train")
+    pq.write_table(pa.table({"task_id": [t.task_id for t in tasks], "questions": [t.questions for t in tasks],
+                             "answers": [t.answers for t in tasks], "benchmark": [t.benchmark for t in tasks]}),
+                   d / "q2_train.parquet")
+    retriever().save(d / "index")
+    cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    cfg = {k: cfg[k] for k in ("train", "agent", "rollout")}
+    cfg["train"].update(steps=3, batch_tasks=3, checkpoint_every=1)
+    cfg["rollout"].update(max_new_tokens=24, batch_size=3)
+    cfg["agent"].update(invalid_action="continue", max_observation_tokens=48, turns={"default": 3})
+    return d, cfg
+
+
+def _run(setup, out, method="memopd", **kw):
+    d, cfg = setup
+    return train_run(cfg, method, 0, d / "student", d / "teacher", d / "q2_train.parquet", d / "index", out,
+                     log=lambda *a: None, **kw)
+
+
+def test_resume_after_an_interruption_matches_the_uninterrupted_run(setup, tmp_path):
+    full = _run(setup, tmp_path / "full")
+    _run(setup, tmp_path / "cut", stop_after=1)  # "killed" after one step (checkpoint written)
+    assert not (tmp_path / "cut/model").exists()
+    resumed = _run(setup, tmp_path / "cut")
+    a, b = load_file(tmp_path / "full/model/model.safetensors"), load_file(tmp_path / "cut/model/model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    lines = [json.loads(x) for x in (tmp_path / "cut/metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2] and len(resumed) == 2
+    for m_full, m_cut in zip(full, lines):
+        assert m_full["actor/loss"] == m_cut["actor/loss"] and m_full["reward/f1"] == m_cut["reward/f1"]
+    # real multi-call episodes with memory updates were trained on, and RCE held on them
+    assert max(m["rollout/calls_per_episode"] for m in full) > 1
+    assert all(m["rce/max_abs_dlogp"] <= 1e-5 for m in full)
+    assert all(k in full[0] for k in ("time/rollout_s", "time/score_s", "time/update_s", "opd/loss"))
+
+
+def test_the_data_order_is_the_same_for_every_method():
+    assert task_order(10, 4, 3, seed=5) == task_order(10, 4, 3, seed=5)
+    assert task_order(10, 4, 3, seed=5) != task_order(10, 4, 3, seed=6)
+    assert all(len(b) == 3 for b in task_order(10, 4, 3, seed=5))
+
+
+def test_result_tables_known_values():
+    scores = {("ppo", "q2_test"): {0: {"f1": 0.2}, 1: {"f1": 0.4}},
+              ("memopd", "q2_test"): {0: {"f1": 0.3}, 1: {"f1": 0.6}}}
+    rows = {r["method"]: r for r in table_rows(scores, ["ppo", "memopd"], {"q2_test": "Q2"}, ["f1"])}
+    assert rows["memopd"]["mean"] == pytest.approx(0.45)
+    assert rows["memopd"]["rel_to_ppo_pct"] == pytest.approx(50.0)
+    assert rows["memopd"]["paired_diff_vs_ppo"] == pytest.approx(0.15)
+    assert rows["ppo"]["rel_to_ppo_pct"] == 0.0 and rows["ppo"]["seeds"] == 2
+    lo, hi = bootstrap_ci([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert 1.0 <= lo < 3.0 < hi <= 5.0
+    assert bootstrap_ci([2.0]) == (2.0, 2.0)

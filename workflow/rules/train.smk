@@ -1,0 +1,61 @@
+# PPO / MemOPD training (one job per method x seed), evaluation of the trained policies, Tables 1-2.
+
+TRAIN = config["train"]
+TRAIN_SRC = src("train/ppo", "train/loop", "losses", "packing", "attention", "rce", "agent/rollout",
+                "agent/backends", "cli")
+TRAINED = [f"{m}_seed{s}" for m in TRAIN["methods"] for s in TRAIN["seeds"]]
+
+
+rule train:
+    input:
+        TRAIN_SRC,
+        student=f"results/models/{TRAIN['student']}/model.safetensors",
+        teacher=f"results/models/{TRAIN['teacher']}/model.safetensors",
+        tasks=f"results/benchmarks/{TRAIN['benchmark']}.parquet",
+        index=RETRIEVAL_INDEX,
+    output:
+        metrics="results/train/{method}/seed{seed}/metrics.jsonl",
+        model="results/models/{method}_seed{seed}/model.safetensors",
+    wildcard_constraints:
+        method="ppo|memopd|memopd_persistent",
+        seed=r"\d+",
+    params:
+        cfg=lambda w: json.dumps({k: config[k] for k in ("train", "agent", "rollout")}, sort_keys=True),
+        student=lambda w, input: os.path.dirname(input.student),
+        teacher=lambda w, input: os.path.dirname(input.teacher),
+        run_dir=lambda w, output: os.path.dirname(output.metrics),
+        export=lambda w, output: os.path.dirname(output.model),
+    resources:
+        gpu=1,
+    conda:
+        AGENT_ENV
+    log:
+        f"{LOGS}/train_{{method}}_seed{{seed}}.log",
+    benchmark:
+        f"{LOGS}/bench/train_{{method}}_seed{{seed}}.tsv"
+    shell:
+        "memopd train --cfg {params.cfg:q} --method {wildcards.method} --seed {wildcards.seed} "
+        "--student {params.student} --teacher {params.teacher} --tasks {input.tasks} --index {input.index} "
+        "--out-dir {params.run_dir} --export {params.export} > {log} 2>&1"
+
+
+rule results_tables:
+    input:
+        src("report/results", "report/tables", "cli"),
+        evals=expand("results/eval/{model}/{benchmark}.json", model=TRAINED, benchmark=list(TRAIN["horizons"])),
+    output:
+        multi="results/tables/multiobjective.csv",
+        wiki="results/tables/wikirag.csv",
+        matched="results/tables/matched_control.csv",
+        figure="results/figures/f1_vs_horizon.png",
+    params:
+        cfg=cfg_json("train"),
+    conda:
+        CPU_ENV
+    log:
+        f"{LOGS}/results_tables.log",
+    benchmark:
+        f"{LOGS}/bench/results_tables.tsv"
+    shell:
+        "memopd report results --cfg {params.cfg:q} --eval-dir results/eval --out-dir results/tables "
+        "--figure {output.figure} > {log} 2>&1"
