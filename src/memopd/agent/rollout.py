@@ -61,7 +61,7 @@ class AgentConfig:
         return cls(**{**cfg, **overrides})
 
     def max_turns(self, benchmark: str) -> int:
-        """Budget by exact benchmark name, then without its split (`wiki_rag_test` -> `wiki_rag`), then
+        """Budget by exact benchmark name, then without its split (`wikirag_test` -> `wikirag`), then
         `default`."""
         b = benchmark.lower()
         turns = {k.lower(): v for k, v in self.turns.items()}
