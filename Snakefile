@@ -1,8 +1,14 @@
-# MemOPD pipeline. Embedded default: `snakemake -c 2 all`. Paper scale: `snakemake --profile slurm all`.
-# Every rule is a thin call of the `memopd` CLI; the rules live in workflow/rules/.
+# MemOPD pipeline. Embedded default: `snakemake -c 2 all`. Paper scale on SLURM: `snakemake --profile slurm all`
+# (slurm/config.yaml selects config/paper.yaml). Every rule is a thin call of the `memopd` CLI; the rules
+# live in workflow/rules/.
 
 
-configfile: "config/config.yaml"
+# The embedded default applies only when no config file is given: Snakemake would otherwise deep-merge
+# a --configfile (config/paper.yaml) into it, mixing the two scales. Jobs on a cluster receive the same
+# --configfiles, so they make the same choice.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 include: "workflow/rules/common.smk"
@@ -16,3 +22,6 @@ rule all:
         "results/models/student_init/model.safetensors",
         "results/models/teacher_init/model.safetensors",
         "results/audit/rce_smoke.json",
+
+
+check_resources_config()

@@ -67,7 +67,7 @@ def cmd_rce(args, cfg):
     from memopd.synthetic import RULES, random_episode
 
     torch.manual_seed(args.seed)
-    model = load_model(args.model, dtype=cfg["dtype"])
+    model = load_model(args.model, dtype=cfg["dtype"], device=args.device)
     pool = _token_pool(args.model, args.data_dir)
     rng = random.Random(args.seed)
     rules = cfg.get("rules", list(RULES))
@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--data-dir", default="data")
     sp.add_argument("--out", required=True, help="JSON report (a CSV is written beside it)")
     sp.add_argument("--strict", action="store_true", help="exit non-zero when any backend fails")
+    sp.add_argument("--device", default="cpu", help="torch device of the model (cuda at paper scale)")
 
     bench = sub.add_parser("bench", help="benchmarks that print figures").add_subparsers(dest="bench_command", required=True)
     sp = add("packing", cmd_bench_packing, "packing benchmark: 9 configurations, every exact path, with RCE", bench)
