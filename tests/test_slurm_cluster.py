@@ -35,7 +35,7 @@ def _test_cluster_problem() -> str | None:
     except subprocess.TimeoutExpired:
         return "slurmctld does not answer"
     if conf.returncode != 0:
-        return f"slurmctld not reachable ({conf.stderr.strip()[:200]})"
+        return f"slurmctld not reachable ({(conf.stderr.strip().splitlines() or ['?'])[-1][:200]})"
     if not re.search(r"^ClusterName\s*=\s*memopd-test\s*$", conf.stdout, re.M):
         return "the reachable SLURM is not the memopd-test cluster"
     if not {"idle", "mixed"} & set(nodes.stdout.split()):
