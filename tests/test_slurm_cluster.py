@@ -79,7 +79,8 @@ def test_smoke_target_through_slurm_matches_local_run(cluster, tmp_path):
     seen = {}
     for jobid, slurm_log in submitted:
         fields = _job_fields(jobid)
-        rule = fields.get("Comment", "").removeprefix("rule_")
+        # The executor's job comment: rule_<name>[_wildcards_<values>].
+        rule = re.sub(r"^rule_|_wildcards_.*$", "", fields.get("Comment", ""))
         seen[rule] = fields
         assert fields.get("JobState") == "COMPLETED" and fields.get("ExitCode") == "0:0", (rule, fields)
         assert fields.get("WorkDir") == str(wd), (rule, fields)
