@@ -55,7 +55,8 @@ echo "munged $!" >>"$state/pids"
 for _ in $(seq 50); do munge -n </dev/null >/dev/null 2>&1 && break; sleep 0.2; done
 munge -n </dev/null | unmunge >/dev/null 2>&1 || die "munged did not come up (see $state/munge/munged.log)"
 
-node="$(hostname -s)"
+# Node and controller are "localhost": 127.0.0.1 whatever the machine's hostname resolves to.
+node=localhost
 cpus="$(nproc)"
 mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 8 / 10 ))   # RealMemory <= physical
 cat >"$state/slurm.conf" <<EOF
@@ -104,7 +105,7 @@ ln -sfn "$state/slurm.conf" "$conf_link"
 
 slurmctld -D -i -f "$conf_link" >"$state/log/slurmctld.out" 2>&1 &
 echo "slurmctld $!" >>"$state/pids"
-slurmd -D -f "$conf_link" >"$state/log/slurmd.out" 2>&1 &
+slurmd -D -N "$node" -f "$conf_link" >"$state/log/slurmd.out" 2>&1 &
 echo "slurmd $!" >>"$state/pids"
 
 # Ready when the node reports idle (a fresh cluster is within seconds).
