@@ -1,10 +1,11 @@
-# MemOPD pipeline. Embedded default: `snakemake -c 2 all`. Paper scale: `snakemake --profile slurm all`.
-# Every rule is a thin call of the `memopd` CLI; the rules live in workflow/rules/.
+# MemOPD pipeline. Embedded default: `snakemake -c 2 all`. Paper scale on SLURM: `snakemake --profile slurm all`
+# (slurm/config.yaml selects config/paper.yaml). Every rule is a thin call of the `memopd` CLI; the rules
+# live in workflow/rules/.
 
 
-# The embedded default, unless a config file is given (`--configfile config/paper.yaml`, or the slurm
-# profile): given files replace it instead of being deep-merged into it, so a pretrained model spec
-# never inherits the tiny model's keys.
+# The embedded default applies only when no config file is given: Snakemake would otherwise deep-merge
+# a --configfile (config/paper.yaml) into it, mixing the two scales. Jobs on a cluster receive the same
+# --configfiles, so they make the same choice.
 if not workflow.overwrite_configfiles:
 
     configfile: "config/config.yaml"
@@ -26,3 +27,8 @@ rule all:
         "results/audit/rce_smoke.json",
         rules.benchmarks.output,
         "results/tables/retrieval_recall.csv",
+        "results/audit/rce_rollouts.json",
+        rules.results_tables.output,
+
+
+check_resources_config()

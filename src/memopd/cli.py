@@ -67,7 +67,7 @@ def cmd_rce(args, cfg):
     from memopd.synthetic import RULES, random_episode
 
     torch.manual_seed(args.seed)
-    model = load_model(args.model, dtype=cfg["dtype"])
+    model = load_model(args.model, dtype=cfg["dtype"], device=args.device)
     pool = _token_pool(args.model, args.data_dir)
     rng = random.Random(args.seed)
     rules = cfg.get("rules", list(RULES))
@@ -247,6 +247,14 @@ def cmd_report_results(args, cfg):
     horizon_figure(multi, args.figure)
 
 
+def cmd_fetch(args, cfg):
+    from memopd.data.hub import fetch_file
+
+    fetch_file(cfg["repo"], cfg["file"], args.out, repo_type=cfg.get("repo_type", "dataset"),
+               revision=cfg.get("revision"))
+    print(f"fetched {cfg['repo']}/{cfg['file']} -> {args.out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memopd", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -273,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--data-dir", default="data")
     sp.add_argument("--out", required=True, help="JSON report (a CSV is written beside it)")
     sp.add_argument("--strict", action="store_true", help="exit non-zero when any backend fails")
+    sp.add_argument("--device", default="cpu", help="torch device of the model (cuda at paper scale)")
 
     def agent_args(sp):
         sp.add_argument("--model", required=True, help="model directory")
@@ -286,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("rce-rollouts", cmd_rce_rollouts, "RCE of real rollouts under every memory-rewrite rule")
     agent_args(sp)
     sp.add_argument("--strict", action="store_true", help="exit non-zero when any rule or backend fails")
+
+    sp = add("fetch", cmd_fetch, "download a data file from the hub (paper scale; --cfg {repo, file, ...})")
+    sp.add_argument("--out", required=True)
 
     sp = add("train", cmd_train, "one PPO / MemOPD run (method, seed): rollouts, exact packed updates, checkpoints")
     sp.add_argument("--method", required=True, choices=["ppo", "memopd", "memopd_persistent"])

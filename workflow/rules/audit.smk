@@ -9,16 +9,22 @@ rule rce_smoke:
         json="results/audit/rce_smoke.json",
         csv="results/audit/rce_smoke.csv",
     params:
+        memopd=MEMOPD,
         cfg=cfg_json("rce"),
-        model=lambda w, input: os.path.dirname(input.model),
         seed=config["seed"],
-        data_dir=config["data_dir"],
-    conda:
-        CPU_ENV
+        data=config["data_dir"],
+        model=lambda w, input: os.path.dirname(input.model),
+        # The step's GPU when it has one (paper scale), the CPU otherwise.
+        device=lambda w, resources: "cuda" if resources.gpu else "cpu",
     log:
         f"{LOGS}/rce_smoke.log",
     benchmark:
         f"{LOGS}/bench/rce_smoke.tsv"
+    threads: job_threads("rce_smoke")
+    resources:
+        **job_resources("rce_smoke"),
+    conda:
+        ENV_GPU
     shell:
-        "memopd rce --cfg {params.cfg:q} --seed {params.seed} --model {params.model} "
-        "--data-dir {params.data_dir} --out {output.json} --strict > {log} 2>&1"
+        "{params.memopd} rce --cfg {params.cfg:q} --seed {params.seed} --model {params.model} "
+        "--device {params.device} --data-dir {params.data} --out {output.json} --strict > {log} 2>&1"

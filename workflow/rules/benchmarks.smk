@@ -14,6 +14,8 @@ BENCHMARK_DATA = [
     if "path" in e
 ]
 CORPUS_DATA = [os.path.join(config["data_dir"], e["path"]) for e in config["retrieval"]["corpus"]]
+# corpus files that a step downloads (paper scale: the full wiki-18 corpus); the rest are committed
+FETCHED = {os.path.join(config["data_dir"], e["path"]): e["fetch"] for e in config["retrieval"]["corpus"] if "fetch" in e}
 RECALL_DATA = [os.path.join(config["data_dir"], e["path"]) for e in config["retrieval"]["recall"]["sources"]]
 
 
@@ -25,19 +27,44 @@ rule benchmarks:
         tasks=BENCHMARK_FILES,
         stats="results/tables/benchmark_stats.csv",
     params:
+        memopd=MEMOPD,
         cfg=cfg_json("benchmarks"),
         seed=config["seed"],
         data_dir=lambda w: config["data_dir"],  # a lambda: the value is a path prefix the linter would flag
         outdir=lambda w, output: os.path.dirname(output.tasks[0]),
-    conda:
-        CPU_ENV
     log:
         f"{LOGS}/benchmarks.log",
     benchmark:
         f"{LOGS}/bench/benchmarks.tsv"
+    threads: job_threads("benchmarks")
+    resources:
+        **job_resources("benchmarks"),
+    conda:
+        ENV_CPU
     shell:
-        "memopd benchmarks --cfg {params.cfg:q} --seed {params.seed} --data-dir {params.data_dir} "
+        "{params.memopd} benchmarks --cfg {params.cfg:q} --seed {params.seed} --data-dir {params.data_dir} "
         "--out-dir {params.outdir} --stats {output.stats} > {log} 2>&1"
+
+
+rule fetch_corpus:
+    output:
+        "{path}",
+    wildcard_constraints:
+        path="|".join(re.escape(p) for p in FETCHED) or "(?!x)x",
+    params:
+        memopd=MEMOPD,
+        cfg=lambda w: json.dumps(FETCHED[w.path], sort_keys=True),
+    log:
+        f"{LOGS}/fetch_corpus/{{path}}.log",
+    benchmark:
+        f"{LOGS}/bench/fetch_corpus/{{path}}.tsv"
+    threads: job_threads("fetch_corpus")
+    resources:
+        **job_resources("fetch_corpus"),
+    conda:
+        ENV_CPU
+    shell:
+        "{params.memopd} fetch --cfg {params.cfg:q} --out {output} > {log} 2>&1"
 
 
 rule retrieval_corpus:
@@ -47,16 +74,20 @@ rule retrieval_corpus:
     output:
         "results/retrieval/corpus.parquet",
     params:
+        memopd=MEMOPD,
         cfg=cfg_json("retrieval"),
         data_dir=lambda w: config["data_dir"],  # a lambda: the value is a path prefix the linter would flag
-    conda:
-        CPU_ENV
     log:
         f"{LOGS}/retrieval_corpus.log",
     benchmark:
         f"{LOGS}/bench/retrieval_corpus.tsv"
+    threads: job_threads("retrieval_corpus")
+    resources:
+        **job_resources("retrieval_corpus"),
+    conda:
+        ENV_CPU
     shell:
-        "memopd retrieval corpus --cfg {params.cfg:q} --data-dir {params.data_dir} --out {output} > {log} 2>&1"
+        "{params.memopd} retrieval corpus --cfg {params.cfg:q} --data-dir {params.data_dir} --out {output} > {log} 2>&1"
 
 
 rule retrieval_index:
@@ -66,16 +97,20 @@ rule retrieval_index:
     output:
         directory("results/retrieval/index"),
     params:
+        memopd=MEMOPD,
         cfg=cfg_json("retrieval"),
         online="--online" if config["online"] else "",
-    conda:
-        CPU_ENV
     log:
         f"{LOGS}/retrieval_index.log",
     benchmark:
         f"{LOGS}/bench/retrieval_index.tsv"
+    threads: job_threads("retrieval_index")
+    resources:
+        **job_resources("retrieval_index"),
+    conda:
+        ENV_GPU if config["retrieval"]["backend"] == "e5" else ENV_CPU
     shell:
-        "memopd retrieval index --cfg {params.cfg:q} --corpus {input.corpus} {params.online} "
+        "{params.memopd} retrieval index --cfg {params.cfg:q} --corpus {input.corpus} {params.online} "
         "--out {output} > {log} 2>&1"
 
 
@@ -88,15 +123,19 @@ rule retrieval_recall:
         recall="results/tables/retrieval_recall.csv",
         timing="results/tables/retrieval_timing.csv",
     params:
+        memopd=MEMOPD,
         cfg=cfg_json("retrieval"),
         seed=config["seed"],
         data_dir=lambda w: config["data_dir"],  # a lambda: the value is a path prefix the linter would flag
-    conda:
-        CPU_ENV
     log:
         f"{LOGS}/retrieval_recall.log",
     benchmark:
         f"{LOGS}/bench/retrieval_recall.tsv"
+    threads: job_threads("retrieval_recall")
+    resources:
+        **job_resources("retrieval_recall"),
+    conda:
+        ENV_CPU
     shell:
-        "memopd retrieval recall --cfg {params.cfg:q} --seed {params.seed} --index {input.index} "
+        "{params.memopd} retrieval recall --cfg {params.cfg:q} --seed {params.seed} --index {input.index} "
         "--data-dir {params.data_dir} --out {output.recall} --timing {output.timing} > {log} 2>&1"

@@ -1,6 +1,7 @@
-# Shared helpers: config validation, the memopd command, per-rule code dependencies.
+# Shared helpers: config validation, the memopd command, job resources and software environments,
+# per-step code dependencies.
 import json
-import os
+import re
 import sys
 
 from snakemake.utils import validate
@@ -8,17 +9,25 @@ from snakemake.utils import validate
 
 validate(config, schema="../schemas/config.schema.yaml")
 
-# Jobs call `memopd`: find the one installed beside the Python running Snakemake (.venv/bin), so
-# `.venv/bin/snakemake ...` works without activating the venv. A conda env, when used, comes first.
-envvars:
-    "PATH",
-
-
-_venv_bin = os.path.dirname(sys.executable)
-os.environ.update(PATH=_venv_bin + os.pathsep + os.environ["PATH"])
-
 LOGS = "results/logs"
-CPU_ENV = "../../envs/cpu.yaml"  # conda env of CPU steps (relative to workflow/rules/)
+
+# Every step runs this checkout's src/ (what src() tracks) with `python -m memopd.cli`: under the
+# interpreter running Snakemake (the venv, activated or not), or under the step's conda/container env
+# when a deployment method is on (those envs hold dependencies only). Both are passed through the
+# environment, which jobs inherit (on SLURM too), so that the command, and with it the params Snakemake
+# compares to decide reruns, does not change with the venv or checkout path. PYTHONPATH is set inside
+# the command because Snakemake clears it when it activates a conda env.
+SRC = os.path.join(workflow.basedir, "src")
+_deployed = bool(getattr(workflow.deployment_settings, "deployment_method", None))
+os.environ.update(MEMOPD_SRC=SRC, MEMOPD_PYTHON="python" if _deployed else sys.executable)
+PYTHON = 'PYTHONPATH="$MEMOPD_SRC${PYTHONPATH:+:$PYTHONPATH}" "$MEMOPD_PYTHON"'
+MEMOPD = f"{PYTHON} -m memopd.cli"
+
+# Conda environments by kind of step (paths relative to this folder), used with
+# `--software-deployment-method conda`. ENV_GPU marks the steps that run on GPUs at paper scale (vLLM,
+# CUDA torch); on the embedded default they run on CPU, so they get the CPU environment.
+ENV_CPU = "../../envs/cpu.yaml"
+ENV_GPU = "../../envs/gpu.yaml" if config["scale"] == "paper" else ENV_CPU
 
 
 def cfg_json(*keys):
@@ -30,6 +39,50 @@ def cfg_json(*keys):
 
 
 def src(*modules):
-    """Source files that a step depends on. Snakemake does not track imported modules, so a code
-    change reruns the step only through these inputs."""
+    """Source files a step depends on: Snakemake does not track imported modules, so a code change
+    reruns a step only through these inputs."""
     return [f"src/memopd/{m}.py" for m in modules]
+
+
+def _job_spec(name):
+    spec = dict(config["resources"]["default"])
+    spec.update(config["resources"]["rules"].get(name, {}))
+    return spec
+
+
+def job_threads(name):
+    """Threads of step `name` at this scale (config resources: default overlaid by rules.<name>); the
+    SLURM executor asks for as many CPUs per task, `-c N` caps them on a local run."""
+    return _job_spec(name)["threads"]
+
+
+def job_resources(name):
+    """cpus_per_task, mem_mb, runtime (minutes) and gpu (count) of step `name` at this scale, for
+    `resources: **...`. cpus_per_task repeats threads so that a dry run (which caps threads at its
+    --cores) still shows what SLURM will be asked for. gpu is always set (0 on CPU steps) so commands
+    can read it; gpu_model only with GPUs, since the SLURM executor turns a model alone into a one-GPU
+    request."""
+    spec = _job_spec(name)
+    res = {"cpus_per_task": spec["threads"], "mem_mb": spec["mem_mb"], "runtime": spec["runtime"],
+           "gpu": spec.get("gpu", 0)}
+    if res["gpu"] and spec.get("gpu_model"):
+        res["gpu_model"] = spec["gpu_model"]
+    return res
+
+
+def launcher(wildcards, resources):
+    """The memopd command of a multi-GPU step (`params: launch=launcher`, then `{params.launch} ...`):
+    torchrun with one worker per GPU inside the job's single SLURM task (the executor starts one task
+    per job), the plain CLI with one GPU or none."""
+    n = int(resources.get("gpu", 0) or 0)
+    if n > 1:
+        return f"{PYTHON} -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node {n} -m memopd.cli"
+    return MEMOPD
+
+
+def check_resources_config():
+    """Fail early on resource entries for steps that do not exist (a typo would silently fall back
+    to the defaults). Called at the end of the Snakefile, once every step is defined."""
+    unknown = set(config["resources"]["rules"]) - {r.name for r in workflow.rules}
+    if unknown:
+        raise ValueError(f"config resources.rules names unknown steps: {sorted(unknown)}")

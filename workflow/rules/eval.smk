@@ -5,8 +5,6 @@
 AGENT_SRC = src("agent/__init__", "agent/protocol", "agent/memory", "agent/backends", "agent/rollout",
                 "agent/evaluate", "records", "cli")
 RETRIEVAL_INDEX = "results/retrieval/index"
-# vLLM generation needs the GPU environment; the HF backend runs in the CPU one (GPU too, if present)
-AGENT_ENV = "../../envs/gpu.yaml" if config["rollout"]["backend"] == "vllm" else "../../envs/cpu.yaml"
 
 
 rule eval:
@@ -20,17 +18,21 @@ rule eval:
         csv="results/eval/{model}/{benchmark}.csv",
         episodes="results/eval/{model}/{benchmark}.episodes.parquet",
     params:
+        memopd=MEMOPD,
         cfg=lambda w: json.dumps({k: config[k] for k in ("agent", "rollout", "eval")}, sort_keys=True),
         seed=config["seed"],
         model=lambda w, input: os.path.dirname(input.model),
-    conda:
-        AGENT_ENV
     log:
         f"{LOGS}/eval_{{model}}_{{benchmark}}.log",
     benchmark:
         f"{LOGS}/bench/eval_{{model}}_{{benchmark}}.tsv"
+    threads: job_threads("eval")
+    resources:
+        **job_resources("eval"),
+    conda:
+        ENV_GPU
     shell:
-        "memopd eval --cfg {params.cfg:q} --seed {params.seed} --model {params.model} "
+        "{params.memopd} eval --cfg {params.cfg:q} --seed {params.seed} --model {params.model} "
         "--benchmark {input.benchmark} --index {input.index} --out {output.json} > {log} 2>&1"
 
 
@@ -50,15 +52,19 @@ rule rce_rollouts:
     output:
         "results/audit/rce_rollouts.json",
     params:
+        memopd=MEMOPD,
         cfg=lambda w: json.dumps({k: config[k] for k in ("agent", "rollout", "rce_rollouts")}, sort_keys=True),
         seed=config["seed"],
         model=lambda w, input: os.path.dirname(input.model),
-    conda:
-        AGENT_ENV
     log:
         f"{LOGS}/rce_rollouts.log",
     benchmark:
         f"{LOGS}/bench/rce_rollouts.tsv"
+    threads: job_threads("rce_rollouts")
+    resources:
+        **job_resources("rce_rollouts"),
+    conda:
+        ENV_GPU
     shell:
-        "memopd rce-rollouts --cfg {params.cfg:q} --seed {params.seed} --model {params.model} "
+        "{params.memopd} rce-rollouts --cfg {params.cfg:q} --seed {params.seed} --model {params.model} "
         "--benchmark {input.benchmark} --index {input.index} --out {output} --strict > {log} 2>&1"

@@ -8,38 +8,50 @@ rule tokenizer:
     output:
         "results/models/tokenizer/tokenizer.json",
     params:
+        memopd=MEMOPD,
         cfg=cfg_json("tokenizer"),
         outdir=lambda w, output: os.path.dirname(output[0]),
-    conda:
-        CPU_ENV
     log:
         f"{LOGS}/tokenizer.log",
     benchmark:
         f"{LOGS}/bench/tokenizer.tsv"
+    threads: job_threads("tokenizer")
+    resources:
+        **job_resources("tokenizer"),
+    conda:
+        ENV_CPU
     shell:
-        "memopd tokenizer --cfg {params.cfg:q} --data-dir {input.data} --out {params.outdir} > {log} 2>&1"
+        "{params.memopd} tokenizer --cfg {params.cfg:q} --data-dir {input.data} --out {params.outdir} > {log} 2>&1"
 
 
 rule model_init:
     input:
         src("models", "cli"),
-        tokenizer="results/models/tokenizer/tokenizer.json",
+        # Tiny models need the tokenizer trained here; pretrained ones (paper scale) bring their own,
+        # so the tokenizer step is not part of the paper-scale DAG.
+        unpack(
+            lambda w: {} if "pretrained" in config["models"][w.role] else {"tokenizer": "results/models/tokenizer/tokenizer.json"}
+        ),
     output:
         "results/models/{role}_init/model.safetensors",
     wildcard_constraints:
         role="student|teacher",
     params:
+        memopd=MEMOPD,
         cfg=lambda w: cfg_json("models", w.role),
-        outdir=lambda w, output: os.path.dirname(output[0]),
-        tokdir=lambda w, input: os.path.dirname(input.tokenizer),
-        online="--online" if config["online"] else "",
         seed=config["seed"],
-    conda:
-        CPU_ENV
+        outdir=lambda w, output: os.path.dirname(output[0]),
+        tokenizer=lambda w, input: f"--tokenizer {os.path.dirname(input.tokenizer)}" if "tokenizer" in input.keys() else "",
+        online="--online" if config["online"] else "",
     log:
         f"{LOGS}/model_init_{{role}}.log",
     benchmark:
         f"{LOGS}/bench/model_init_{{role}}.tsv"
+    threads: job_threads("model_init")
+    resources:
+        **job_resources("model_init"),
+    conda:
+        ENV_CPU
     shell:
-        "memopd model init --cfg {params.cfg:q} --seed {params.seed} --tokenizer {params.tokdir} "
+        "{params.memopd} model init --cfg {params.cfg:q} --seed {params.seed} {params.tokenizer} "
         "{params.online} --out {params.outdir} > {log} 2>&1"

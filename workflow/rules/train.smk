@@ -20,21 +20,23 @@ rule train:
         method="ppo|memopd|memopd_persistent",
         seed=r"\d+",
     params:
+        memopd=MEMOPD,
         cfg=lambda w: json.dumps({k: config[k] for k in ("train", "agent", "rollout")}, sort_keys=True),
         student=lambda w, input: os.path.dirname(input.student),
         teacher=lambda w, input: os.path.dirname(input.teacher),
         run_dir=lambda w, output: os.path.dirname(output.metrics),
         export=lambda w, output: os.path.dirname(output.model),
-    resources:
-        gpu=1,
-    conda:
-        AGENT_ENV
     log:
         f"{LOGS}/train_{{method}}_seed{{seed}}.log",
     benchmark:
         f"{LOGS}/bench/train_{{method}}_seed{{seed}}.tsv"
+    threads: job_threads("train")
+    resources:
+        **job_resources("train"),
+    conda:
+        ENV_GPU
     shell:
-        "memopd train --cfg {params.cfg:q} --method {wildcards.method} --seed {wildcards.seed} "
+        "{params.memopd} train --cfg {params.cfg:q} --method {wildcards.method} --seed {wildcards.seed} "
         "--student {params.student} --teacher {params.teacher} --tasks {input.tasks} --index {input.index} "
         "--out-dir {params.run_dir} --export {params.export} > {log} 2>&1"
 
@@ -49,13 +51,17 @@ rule results_tables:
         matched="results/tables/matched_control.csv",
         figure="results/figures/f1_vs_horizon.png",
     params:
+        memopd=MEMOPD,
         cfg=cfg_json("train"),
-    conda:
-        CPU_ENV
     log:
         f"{LOGS}/results_tables.log",
     benchmark:
         f"{LOGS}/bench/results_tables.tsv"
+    threads: job_threads("results_tables")
+    resources:
+        **job_resources("results_tables"),
+    conda:
+        ENV_CPU
     shell:
-        "memopd report results --cfg {params.cfg:q} --eval-dir results/eval --out-dir results/tables "
+        "{params.memopd} report results --cfg {params.cfg:q} --eval-dir results/eval --out-dir results/tables "
         "--figure {output.figure} > {log} 2>&1"

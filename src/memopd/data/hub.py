@@ -28,3 +28,22 @@ def load_qa_hub(name: str, config: str | None, split: str, fmt: str, key: str = 
             continue  # the fullwiki test split has no answers: nothing to score
         out.append(parse(row, f"{label}[row {i}]"))
     return out
+
+
+def fetch_file(repo: str, filename: str, out: str, repo_type: str = "dataset", revision: str | None = None) -> None:
+    """Download one file of a hub repository (e.g. the wiki-18 corpus of Search-R1 / MEM1,
+    `PeterJinGo/wiki-18-corpus`, `wiki-18.jsonl.gz`) to `out`, gunzipped if it ends in .gz. Atomic."""
+    import gzip
+    import shutil
+    from pathlib import Path
+
+    from huggingface_hub import hf_hub_download
+
+    src = hf_hub_download(repo_id=repo, filename=filename, repo_type=repo_type, revision=revision)
+    out_path = Path(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    opener = gzip.open if filename.endswith(".gz") and not out.endswith(".gz") else open
+    with opener(src, "rb") as fin, open(tmp, "wb") as fout:
+        shutil.copyfileobj(fin, fout, length=1 << 24)
+    tmp.replace(out_path)
