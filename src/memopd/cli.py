@@ -170,7 +170,10 @@ def cmd_eval(args, cfg):
 
     ev = cfg.get("eval", {})
     overrides = {k: ev[k] for k in ("temperature",) if k in ev}
-    args.limit = args.limit or ev.get("max_tasks")
+    limit = ev.get("max_tasks")
+    if isinstance(limit, dict):  # per benchmark file name, with a default
+        limit = limit.get(Path(args.benchmark).stem, limit.get("default"))
+    args.limit = args.limit or limit
     backend, tok, _, tasks, retriever, agent = _agent_setup(args, cfg, **overrides)
     out, episodes = evaluate(tasks, backend, tok, retriever, agent, seed=args.seed)
     out.update(model=args.model, benchmark=args.benchmark, backend=backend.name, config={**cfg, "seed": args.seed})
