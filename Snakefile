@@ -15,6 +15,7 @@ include: "workflow/rules/models.smk"
 include: "workflow/rules/audit.smk"
 include: "workflow/rules/benchmarks.smk"
 include: "workflow/rules/eval.smk"
+include: "workflow/rules/teacher.smk"
 
 
 rule all:
