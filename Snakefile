@@ -17,6 +17,7 @@ include: "workflow/rules/audit.smk"
 include: "workflow/rules/benchmarks.smk"
 include: "workflow/rules/eval.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/teacher.smk"
 
 
 rule all:

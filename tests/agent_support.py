@@ -9,7 +9,6 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
-import re
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -78,7 +77,8 @@ def retriever():
     return BM25Retriever.build({k: [p[k] for p in passages] for k in ("id", "title", "text")}, progress=False)
 
 
-# --- scripted policies (they drive the real rollout loop; only the sampling is replaced) --------------
+# --- scripted policies (they drive the real rollout loop; only the sampling is replaced). The scripted
+# teacher that knows the gold answers is the library one: memopd.agent.teacher.ScriptedTeacher.
 
 class ListBackend:
     """Returns the given responses in order, one per generate row (use with batch_size 1)."""
@@ -99,41 +99,17 @@ class ListBackend:
         return out
 
 
-class OracleBackend:
-    """A scripted teacher: searches each question in turn, keeping a step counter in <think>, then
-    answers with the gold answers. Its episodes are protocol-correct training data."""
-
-    name = "oracle"
-
-    def __init__(self, tok, tasks: list[Task]):
-        self.tok = tok
-        self.gold = {q: a[0] for t in tasks for q, a in zip(t.questions, t.answers)}
-
-    def generate(self, prompts, seeds):
-        out = []
-        for p in prompts:
-            text = self.tok.decode(p, skip_special_tokens=False)
-            qs = re.findall(r"^(?:Question: |\d+\. )(.*)$", text, flags=re.M)
-            steps = [int(s) for s in re.findall(r"step (\d+)", text)]
-            k = max(steps, default=0)
-            if k < len(qs):
-                resp = f"<think>step {k + 1}</think><search>{qs[k]}</search>"
-            else:
-                resp = f"<think>step {k + 1}</think><answer>{'; '.join(self.gold.get(q, '') for q in qs)}</answer>"
-            out.append(Generation(encode(self.tok, resp), None, "stop"))
-        return out
-
-
 @cache
 def protocol_student(steps: int = 30, seed: int = 0):
-    """The tiny student after a few seconds of SFT on oracle episodes, so that the real HF backend
+    """The tiny student after a few seconds of SFT on scripted-teacher episodes (memopd.agent.teacher), so that the real HF backend
     samples protocol-shaped responses (think blocks, searches, answers) plus some invalid ones."""
     from memopd.agent.rollout import AgentConfig, rollout
+    from memopd.agent.teacher import ScriptedTeacher
 
     tok = tokenizer()
     tasks = nq_tasks(24, n_questions=2, start=100)
     cfg = AgentConfig(max_observation_tokens=48, turns={"default": 4})
-    eps = rollout(tasks, OracleBackend(tok, tasks), tok, retriever(), cfg, progress=False)
+    eps = rollout(tasks, ScriptedTeacher(tok, tasks), tok, retriever(), cfg, progress=False)
     seqs = [(inv.input_ids + inv.output_ids, len(inv.input_ids)) for ep in eps for inv in ep.invocations]
     model = random_student(seed)
     model.train()

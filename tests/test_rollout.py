@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
-from agent_support import ListBackend, OracleBackend, nq_tasks, protocol_student, retriever, tokenizer
+from agent_support import ListBackend, nq_tasks, protocol_student, retriever, tokenizer
 from memopd.agent.backends import HFBackend, Sampling
 from memopd.agent.memory import RULES
 from memopd.agent.rollout import AgentConfig, rollout
+from memopd.agent.teacher import ScriptedTeacher
 from memopd.attention import BACKENDS, independent_logits, token_logprobs
 from memopd.packing import pack
 from memopd.rce import rce_report
@@ -95,10 +96,10 @@ def test_context_overflow_ends_without_truncating():
     assert ep.metrics["end_reason"] == "context_overflow" and len(ep.invocations) == 1
 
 
-def test_oracle_policy_solves_q2_with_summary_memory():
+def test_scripted_teacher_solves_q2_with_summary_memory():
     tok = tokenizer()
     tasks = nq_tasks(4, n_questions=2)
-    eps = rollout(tasks, OracleBackend(tok, tasks), tok, retriever(), AgentConfig(batch_size=3), progress=False)
+    eps = rollout(tasks, ScriptedTeacher(tok, tasks), tok, retriever(), AgentConfig(batch_size=3), progress=False)
     assert [e.task_id for e in eps] == [t.task_id for t in tasks]
     for ep in eps:
         assert ep.metrics["actions"] == ["search", "search", "answer"] and ep.metrics["em"] == 1.0

@@ -258,6 +258,23 @@ def cmd_fetch(args, cfg):
     print(f"fetched {cfg['repo']}/{cfg['file']} -> {args.out}")
 
 
+def cmd_sft_trajectories(args, cfg):
+    from memopd.agent.trajectories import trajectories_step
+
+    for key in ("teacher", "agent", "rollout"):
+        if key not in cfg:
+            sys.exit(f"error: --cfg needs the config sections teacher, agent and rollout (missing {key!r})")
+    try:
+        s = trajectories_step(cfg, args.benchmark, args.index, args.tokenizer, args.out, args.stats, seed=args.seed,
+                              limit=args.limit, server_log=args.server_log)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    kept = "  ".join(f"{k}: {v['trajectories']} ({v['turn_examples']} turns)" for k, v in s["filter_preview"].items())
+    print(f"{s['trajectories_generated']} {s['teacher']} trajectories in {s['wall_s']:.1f}s: EM {s['em']:.3f} "
+          f"F1 {s['f1']:.3f} calls/ep {s['calls_per_episode']:.2f} invalid {s['invalid_action_rate']:.3f}; "
+          f"would keep {kept} -> {args.out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memopd", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -317,6 +334,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--eval-dir", default="results/eval")
     sp.add_argument("--out-dir", default="results/tables")
     sp.add_argument("--figure", default="results/figures/f1_vs_horizon.png")
+
+    sft = sub.add_parser("sft", help="SFT stage (config section `teacher`)").add_subparsers(dest="sft_command", required=True)
+    sp = add("trajectories", cmd_sft_trajectories, "teacher trajectories through the rollout loop: episodes + stats", sft)
+    sp.add_argument("--benchmark", nargs="+", default=["results/benchmarks/q2_train.parquet"],
+                    help="benchmark parquet file(s) (default: the Q2 train set)")
+    sp.add_argument("--index", default="results/retrieval/index", help="retrieval index directory")
+    sp.add_argument("--tokenizer", required=True, help="the student's tokenizer (or model) directory: defines the ids")
+    sp.add_argument("--limit", type=int, help="first N tasks of each benchmark (overrides teacher.max_tasks)")
+    sp.add_argument("--out", default="results/sft/trajectories.parquet")
+    sp.add_argument("--stats", default="results/sft/trajectories_stats.json")
+    sp.add_argument("--server-log", help="log of the vLLM server the llm teacher starts (default: beside --stats)")
 
     bench = sub.add_parser("bench", help="benchmarks that print figures").add_subparsers(dest="bench_command", required=True)
     sp = add("packing", cmd_bench_packing, "packing benchmark: 9 configurations, every exact path, with RCE", bench)

@@ -133,12 +133,15 @@ def token_prefix_len(tokenizer, ids: list[int], n_chars: int) -> int:
 
 # --- prompt and observations ------------------------------------------------------------------------
 
+def questions_text(questions: list[str]) -> str:
+    """The question block of the user message (one question, or a numbered list)."""
+    if len(questions) == 1:
+        return f"Question: {questions[0]}"
+    return "Questions:\n" + "\n".join(f"{k + 1}. {q}" for k, q in enumerate(questions))
+
+
 def task_messages(task: Task, max_turns: int) -> list[dict]:
-    if len(task.questions) == 1:
-        qs = f"Question: {task.questions[0]}"
-    else:
-        qs = "Questions:\n" + "\n".join(f"{k + 1}. {q}" for k, q in enumerate(task.questions))
-    user = f"{qs}\nYou have at most {max_turns} turns."
+    user = f"{questions_text(task.questions)}\n{budget_text(max_turns)}"
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
 
@@ -153,6 +156,10 @@ def prefix_ids(tokenizer, task: Task, max_turns: int) -> list[int]:
     if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
         out = out["input_ids"]
     return list(out)
+
+
+def budget_text(max_turns: int) -> str:
+    return f"You have at most {max_turns} turns."
 
 
 def turn_hint(turns_left: int) -> str:

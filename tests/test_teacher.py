@@ -1,0 +1,289 @@
+"""Teacher trajectories: the scripted teacher through the real rollout loop (real tokenizer, real BM25
+over real passages, real NQ questions), its honesty and budget, the `memopd sft trajectories` CLI, and
+the LLM teacher (request/response handling on CPU; a real vLLM server and engine on GPU)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import threading
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from agent_support import ListBackend, ROOT, nq_tasks, random_student, retriever, tokenizer
+from memopd.agent.llm_teacher import LLMConfig, LLMTeacher, completion_generation, cut_after_action
+from memopd.agent.protocol import Task, parse_response, prefix_ids
+from memopd.agent.rollout import AgentConfig, rollout
+from memopd.agent.teacher import ScriptedConfig, ScriptedTeacher, keywords, memory_claims
+from memopd.agent.trajectories import FILTER_PREVIEW, summarize, unsupported_claims
+from memopd.records import load_episodes
+
+CFG = AgentConfig(turns={"default": 6}, max_observation_tokens=128, batch_size=8, reward="f1")
+
+
+def _roll(tasks, cfg=CFG, seed=0, **teacher_kw):
+    tok = tokenizer()
+    teacher = ScriptedTeacher(tok, tasks, ScriptedConfig(**teacher_kw))
+    return rollout(tasks, teacher, tok, retriever(), cfg, seed=seed, progress=False), teacher
+
+
+def _outs(ep):
+    return [tokenizer().decode(i.output_ids, skip_special_tokens=False) for i in ep.invocations]
+
+
+def test_scripted_episodes_are_valid_honest_records():
+    tasks = nq_tasks(10, n_questions=2)
+    eps, teacher = _roll(tasks)
+    tok = tokenizer()
+    for ep, task in zip(eps, tasks):
+        ep.validate()
+        assert ep.metrics["invalid_actions"] == 0 and ep.metrics["end_reason"] == "answer"
+        assert len(ep.invocations) <= 6 and ep.metrics["searches"] >= 2
+        assert all(parse_response(o).valid for o in _outs(ep))
+        assert ep.invocations[0].input_ids == prefix_ids(tok, task, 6)
+        assert ep.reward == ep.metrics["f1"]
+        assert unsupported_claims(ep, tok) == []  # every memory claim is in a passage it saw
+    claims = [c for ep in eps for o in _outs(ep) for c in memory_claims(o)]
+    assert len(claims) >= 5, "the teacher found (almost) nothing: the honesty check would be vacuous"
+    s = summarize(eps, tok)
+    assert s["f1"] > 0.3 and s["invalid_action_rate"] == 0 and s["unsupported_memory_claims"] == 0
+    assert s["turn_examples"] == sum(len(e.invocations) for e in eps)
+    assert teacher.fits["truncated"] == 0
+
+
+def test_memory_carries_findings_forward():
+    (ep,), _ = _roll(nq_tasks(1, n_questions=2, start=2))
+    outs = _outs(ep)
+    assert outs[0] == f"<think>Searching Q1.</think><search>{ep.metrics['questions'][0].strip()}</search>"
+    lines = [re.search(r"Q1: .*", o).group(0) for o in outs[1:]]
+    final = next(k for k, x in enumerate(lines) if x != "Q1: not found yet")  # Q1's finding (after a retry or not)
+    assert all(x == lines[final] for x in lines[final:])  # ... survives every later rewrite (summary_replacement)
+    assert outs[-1].endswith("</answer>") and len(ep.metrics["predictions"]) == 2
+
+
+def test_claim_checker_catches_an_unsupported_claim():
+    """The honesty check can fail: a policy that writes an answer no passage showed is caught."""
+    tok, task = tokenizer(), nq_tasks(1, n_questions=2)[0]
+    backend = ListBackend(tok, [f"<think>Searching Q1.</think><search>{task.questions[0]}</search>",
+                                "<think>Q1: Zyxwv Qutrb (Doc 1)\nSearching Q2.</think><search>x</search>",
+                                "<think>done</think><answer>a; b</answer>"])
+    (ep,) = rollout([task], backend, tok, retriever(), replace(CFG, batch_size=1), progress=False)
+    assert unsupported_claims(ep, tok) == [(1, 1, "Zyxwv Qutrb")]
+
+
+def test_deterministic_given_the_seed():
+    tasks = nq_tasks(6, n_questions=2, start=20)
+    ids = lambda eps: [[(i.input_ids, i.output_ids) for i in e.invocations] for e in eps]  # noqa: E731
+    a, b = _roll(tasks, seed=5, keywords_prob=0.5)[0], _roll(tasks, seed=5, keywords_prob=0.5)[0]
+    assert ids(a) == ids(b)
+    c = _roll(tasks, seed=6, keywords_prob=0.5)[0]
+    assert [e.metrics["queries"] for e in a] != [e.metrics["queries"] for e in c]  # the seed draws the query style
+
+
+def test_turn_budget_respected():
+    tasks = nq_tasks(3, n_questions=4, start=40)
+    for budget in (1, 3, 5):
+        eps, _ = _roll(tasks, cfg=replace(CFG, turns={"default": budget}))
+        for ep in eps:
+            assert len(ep.invocations) <= budget and ep.metrics["end_reason"] == "answer"
+            assert len(ep.metrics["predictions"]) == 4  # one answer per question, 'unknown' if unsearched
+        if budget == 1:
+            assert all(e.metrics["predictions"] == ["unknown"] * 4 for e in eps)
+        if budget == 3:  # two searches, then the answer; no retry (it would leave a question unsearched)
+            assert all(e.metrics["searches"] == 2 and e.metrics["predictions"][2:] == ["unknown"] * 2 for e in eps)
+
+
+def test_unretrievable_answer_is_wrong_and_filtered():
+    real = nq_tasks(1)[0]
+    task = Task("nope", ["Which zorblax founded the quuxland glimmer guild?", real.questions[0]],
+                [["Xyzzyplugh Flimflam"], real.answers[0]], "q2")
+    (ep,), _ = _roll([task], unsupported="unknown")
+    outs = _outs(ep)
+    assert ep.metrics["queries"][:2] == [task.questions[0], keywords(task.questions[0])]  # retried, reformulated
+    assert "Q1: not found yet" in outs[1] and "Q1: not found\n" in outs[2]
+    assert ep.metrics["predictions"][0] == "unknown" and ep.metrics["f1"] <= 0.5
+    assert not FILTER_PREVIEW[1][1](ep)  # the F1 == 1 filter drops it
+    (g,), _ = _roll([task], unsupported="guess")  # a guess: the title of the top passage of the last search
+    assert re.search(r"Q1: not found \(guess: .+\)", _outs(g)[-1]) and g.metrics["predictions"][0] != "unknown"
+
+
+def test_token_budget_shortens_instead_of_truncating():
+    tasks = nq_tasks(6, n_questions=2, start=60)
+    eps, teacher = _roll(tasks, max_new_tokens=28)
+    assert all(len(i.output_ids) <= 28 for e in eps for i in e.invocations)
+    assert teacher.fits["short"] > 0 and sum(e.metrics["invalid_actions"] for e in eps) == teacher.fits["truncated"]
+    assert all(unsupported_claims(e, tokenizer()) == [] for e in eps)
+
+
+def test_same_decisions_under_every_rule_that_keeps_the_memory():
+    tasks = nq_tasks(4, n_questions=2, start=80)
+    preds = {rule: [e.metrics["predictions"] for e in _roll(tasks, cfg=replace(CFG, rule=rule))[0]]
+             for rule in ("summary_replacement", "full_retention", "sliding_window", "retrieval_refresh")}
+    assert len({json.dumps(p) for p in preds.values()}) == 1, preds
+
+
+def test_cli_writes_trajectories_and_stats(tmp_path):
+    import yaml
+
+    from memopd.cli import main
+
+    tok = tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    retriever().save(tmp_path / "index")  # a real saved BM25 index, opened by memopd.retrieval
+    tasks = nq_tasks(5, n_questions=2, start=100)
+    pq.write_table(pa.table({"task_id": [t.task_id for t in tasks], "questions": [t.questions for t in tasks],
+                             "answers": [t.answers for t in tasks], "benchmark": ["q2"] * 5}), tmp_path / "q2.parquet")
+    full = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    cfg = {k: full[k] for k in ("teacher", "agent", "rollout")}
+    out, stats = tmp_path / "sft/trajectories.parquet", tmp_path / "sft/trajectories_stats.json"
+    main(["sft", "trajectories", "--cfg", json.dumps(cfg), "--seed", "3", "--benchmark", str(tmp_path / "q2.parquet"),
+          "--index", str(tmp_path / "index"), "--tokenizer", str(tmp_path / "tok"), "--limit", "4",
+          "--out", str(out), "--stats", str(stats)])
+    eps = load_episodes(out)
+    s = json.loads(stats.read_text())
+    assert len(eps) == 4 and [e.task_id for e in eps] == [t.task_id for t in tasks[:4]]
+    for e in eps:
+        e.validate()
+        assert e.reward == e.metrics["f1"]  # teacher.reward: f1
+    assert s["teacher"] == "scripted" and s["trajectories_generated"] == 4 and s["invalid_action_rate"] == 0
+    assert s["f1"] == pytest.approx(sum(e.metrics["f1"] for e in eps) / 4)
+    assert s["calls_per_episode"] == pytest.approx(sum(len(e.invocations) for e in eps) / 4)
+    assert s["config"]["seed"] == 3 and s["config"]["teacher"]["kind"] == "scripted"
+    assert set(s["filter_preview"]) == {"f1>=0.5", "f1==1"} and s["unsupported_memory_claims"] == 0
+    assert all(len(i.output_ids) <= cfg["rollout"]["max_new_tokens"] for e in eps for i in e.invocations)
+    with pytest.raises(SystemExit, match="not found"):
+        main(["sft", "trajectories", "--cfg", json.dumps(cfg), "--benchmark", str(tmp_path / "missing.parquet"),
+              "--index", str(tmp_path / "index"), "--tokenizer", str(tmp_path / "tok"), "--out", str(out),
+              "--stats", str(stats)])
+
+
+@pytest.mark.parametrize("configfile", [None, "config/paper.yaml"])
+def test_rule_builds_the_trajectories(configfile):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bin_dir = Path(sys.executable).parent
+    args = [str(bin_dir / "snakemake"), "results/sft/trajectories.parquet", "-n", "--forceall", "--quiet", "rules"]
+    args += ["--configfile", configfile] if configfile else []
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"sft_trajectories\s+1", res.stdout + res.stderr)
+
+
+# --- the LLM teacher ------------------------------------------------------------------------------------
+
+def test_llm_config_and_reply_handling():
+    with pytest.raises(ValueError, match="server"):
+        LLMConfig(engine="offline", prompt="chat")
+    assert cut_after_action("<think>m</think><search>q</search> and more <answer>x</answer>") == \
+           ("<think>m</think><search>q</search>", True)
+    assert cut_after_action("no action") == ("no action", False)
+    g = completion_generation({"text": "", "finish_reason": "stop", "stop_reason": "</search>",
+                               "logprobs": {"tokens": ["token_id:5", "token_id:9"], "token_logprobs": [-0.5, -1.0]}}, 2)
+    assert (g.output_ids, g.logprobs, g.stop_reason) == ([5, 9], [-0.5, -1.0], "stop")
+    g = completion_generation({"token_ids": [4, 2], "finish_reason": "stop", "stop_reason": None,
+                               "logprobs": {"token_logprobs": [-0.1, -0.2]}}, 2)
+    assert g.stop_reason == "eos" and g.output_ids == [4, 2]
+
+
+class _StandIn(BaseHTTPRequestHandler):
+    """A local stand-in for vLLM's OpenAI-compatible API (vLLM cannot run on CPU): it answers like the
+    scripted teacher would, and keeps the request bodies for the test to inspect."""
+
+    teacher: ScriptedTeacher
+    bodies: list = []
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.bodies.append(body)
+        tok = tokenizer()
+        if self.path == "/v1/chat/completions":
+            user = body["messages"][1]["content"].split("\n\nContinue:")[0]  # the instruction names the tags
+            text = self.teacher.respond("\n" + user)
+            ans = {"choices": [{"message": {"content": text + " and text after the action"}, "finish_reason": "stop"}]}
+        else:
+            ids = tok(self.teacher.respond(tok.decode(body["prompt"])), add_special_tokens=False)["input_ids"]
+            ans = {"choices": [{"token_ids": ids, "finish_reason": "stop", "stop_reason": "</search>",
+                                "logprobs": {"token_logprobs": [-1.0] * len(ids)}}]}
+        data = json.dumps(ans).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("prompt", ["ids", "chat"])
+def test_llm_teacher_client_through_the_rollout(prompt):
+    tok, tasks = tokenizer(), nq_tasks(3, n_questions=2, start=120)
+    _StandIn.teacher, _StandIn.bodies = ScriptedTeacher(tok, tasks), []
+    server = HTTPServer(("127.0.0.1", 0), _StandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cfg = LLMConfig(model="stand-in", prompt=prompt, sampling={"temperature": 0.7, "max_new_tokens": 99})
+        teacher = LLMTeacher(tok, cfg, url=f"http://127.0.0.1:{server.server_port}", max_concurrency=4)
+        eps = rollout(tasks, teacher, tok, retriever(), replace(CFG, batch_size=3), seed=1, progress=False)
+    finally:
+        server.shutdown()
+    assert all(e.metrics["invalid_actions"] == 0 and e.metrics["end_reason"] == "answer" for e in eps)
+    b = _StandIn.bodies[0]
+    assert b["model"] == "stand-in" and b["temperature"] == 0.7 and b["max_tokens"] == 99 and "seed" in b
+    assert len({x["seed"] for x in _StandIn.bodies}) == len(_StandIn.bodies)  # one seed per call
+    if prompt == "ids":
+        sent = sorted(x["prompt"] for x in _StandIn.bodies)  # requests run concurrently: compare as sets
+        assert sent == sorted(i.input_ids for e in eps for i in e.invocations) and b["return_tokens_as_token_ids"]
+        assert all(i.logprobs == [-1.0] * len(i.output_ids) for e in eps for i in e.invocations)
+    else:  # reply text cut after its action and tokenised once by the student tokenizer
+        assert all(i.logprobs is None for e in eps for i in e.invocations)
+        assert all(tok.decode(i.output_ids).endswith(("</search>", "</answer>")) for e in eps for i in e.invocations)
+        later = [m for x in _StandIn.bodies for m in x["messages"] if "Your memory" in m["content"]]
+        assert later and all("<|im_start|>" not in m["content"] for m in later)
+
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (envs/gpu.yaml)")
+
+
+@pytest.mark.gpu
+@needs_vllm
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("engine", ["server", "offline"])
+def test_llm_teacher_real_vllm(tmp_path, engine):
+    """A real vLLM (tiny student weights, same tokenizer: prompt ids) behind the LLM teacher: seeded,
+    exact ids with log-probs, episodes valid through the rollout loop."""
+    from memopd.agent.llm_teacher import VLLMServer
+
+    tok = tokenizer()
+    random_student(0).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    srv = {"dtype": "float32", "gpu_memory_utilization": 0.3, "max_model_len": 1024}
+    cfg = LLMConfig(model=str(tmp_path / "m"), engine=engine, prompt="ids",
+                    sampling={"temperature": 1.0, "max_new_tokens": 16}, server=srv)
+    tasks = nq_tasks(3, n_questions=2)
+
+    def run(teacher):
+        eps = rollout(tasks, teacher, tok, retriever(), replace(CFG, invalid_action="continue", turns={"default": 3}),
+                      seed=2, progress=False)
+        again = rollout(tasks, teacher, tok, retriever(), replace(CFG, invalid_action="continue", turns={"default": 3}),
+                        seed=2, progress=False)
+        assert [[i.output_ids for i in e.invocations] for e in eps] == [[i.output_ids for i in e.invocations] for e in again]
+        for e in eps:
+            e.validate()
+            assert all(len(i.logprobs) == len(i.output_ids) for i in e.invocations)
+
+    if engine == "offline":
+        run(LLMTeacher(tok, cfg))
+    else:
+        with VLLMServer(cfg.model, tmp_path / "vllm.log", seed=0, **srv) as server:
+            assert server.url.startswith("http://127.0.0.1:")
+            run(LLMTeacher(tok, cfg, url=server.url))
