@@ -169,11 +169,13 @@ def cmd_eval(args, cfg):
     from memopd.records import save_episodes
 
     ev = cfg.get("eval", {})
-    overrides = {k: ev[k] for k in ("temperature",) if k in ev}
-    limit = ev.get("max_tasks")
-    if isinstance(limit, dict):  # per benchmark file name, with a default
-        limit = limit.get(Path(args.benchmark).stem, limit.get("default"))
-    args.limit = args.limit or limit
+    bench = Path(args.benchmark).stem
+
+    def per_benchmark(value):  # an int, or {benchmark file name: int, default: int}
+        return value.get(bench, value.get("default")) if isinstance(value, dict) else value
+
+    overrides = {k: per_benchmark(ev[k]) for k in ("temperature", "max_new_tokens") if k in ev}
+    args.limit = args.limit or per_benchmark(ev.get("max_tasks"))
     backend, tok, _, tasks, retriever, agent = _agent_setup(args, cfg, **overrides)
     out, episodes = evaluate(tasks, backend, tok, retriever, agent, seed=args.seed)
     out.update(model=args.model, benchmark=args.benchmark, backend=backend.name, config={**cfg, "seed": args.seed})
