@@ -71,8 +71,7 @@ def read_meta(path: str | Path) -> dict | None:
 def load_checkpoint(meta: dict, model, optimizer, scheduler) -> None:
     """Restore weights, optimizer, scheduler and RNG in place from the checkpoint `meta` points to."""
     path = Path(meta["path"])
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=True,
-                                     device=str(next(model.parameters()).device))
+    load_model(model, str(path / "model.safetensors"), strict=True, device=str(next(model.parameters()).device))
     state = torch.load(path / "state.pt", weights_only=True, map_location="cpu")
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

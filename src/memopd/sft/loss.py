@@ -39,9 +39,16 @@ def ce_sum(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def packed_target_loss(model, examples: list[Episode], max_len: int | None = None,
                        backend: str = "sdpa") -> tuple[torch.Tensor, int]:
     """Examples packed into one sequence (positions restart per example, no cross-example attention)
-    -> (sum of target NLL, number of target tokens)."""
+    -> (sum of target NLL, number of target tokens). backend: one of memopd.attention's (dense mask,
+    ...) or "segmented" (attention example by example, see memopd.sft.segmented)."""
     p = pack(examples, max_len=max_len)
-    return ce_sum(model, packed_hidden(model, p, backend), p.targets), int(p.act_mask.sum())
+    if backend == "segmented":
+        from memopd.sft.segmented import segmented_hidden
+
+        hidden = segmented_hidden(model, p)
+    else:
+        hidden = packed_hidden(model, p, backend)
+    return ce_sum(model, hidden, p.targets), int(p.act_mask.sum())
 
 
 def padded_target_loss(model, examples: list[Episode], pad_id: int = 0) -> tuple[torch.Tensor, int]:

@@ -54,7 +54,7 @@ class TrainConfig:
     checkpoint_every: int  # optimizer steps between checkpoints
     precision: str  # fp32 | bf16 (autocast; weights and optimizer stay fp32)
     mode: str  # packed | padded (padded: each example its own row; the benchmark baseline)
-    backend: str  # attention backend of the packed path: sdpa | eager | flex
+    backend: str  # packed path: segmented (attention per example) or a memopd.attention backend
     log_every: int  # optimizer steps between logged training metrics
     steps: int | None = None  # the budget: exactly one of steps / epochs
     epochs: float | None = None
