@@ -123,6 +123,17 @@ def test_four_concurrent_writers_lose_nothing(store):
 def test_sft_commands_end_to_end_are_tracked_runs(store, tmp_path, monkeypatch):
     """`memopd tracking init`, `sft examples`, `sft train`, `sft eval` through the
     real CLI (in process), recorded as MLflow runs in a real SQLite store."""
+    import torch
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    threads = torch.get_num_threads()  # `--threads 1` sets torch's global thread count: restore it after
+    try:
+        _end_to_end(store, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _end_to_end(store, tmp_path):
     import csv
     import json
     import random
@@ -135,7 +146,6 @@ def test_sft_commands_end_to_end_are_tracked_runs(store, tmp_path, monkeypatch):
     from memopd.records import save_episodes
     from memopd.synthetic import random_episode
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri, _ = store
     tracking = json.dumps({"uri": uri, "experiment": "e2e"})
     main(["tracking", "init", "--cfg", tracking, "--out", str(tmp_path / "store.json")])
@@ -154,7 +164,7 @@ def test_sft_commands_end_to_end_are_tracked_runs(store, tmp_path, monkeypatch):
     train_tokenizer(["a tiny corpus for a tokenizer"] * 10, 300, init)
     sft = {"min_reward": 0.5, "seq_len": 128, "grad_accum": 2, "lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 1,
            "weight_decay": 0.0, "betas": [0.9, 0.95], "adam_eps": 1e-8, "clip": 1.0, "eval_fraction": 0.2,
-           "eval_every": 3, "checkpoint_every": 4, "precision": "fp32", "mode": "packed", "backend": "sdpa",
+           "eval_every": 3, "checkpoint_every": 4, "precision": "fp32", "mode": "packed", "backend": "segmented",
            "log_every": 1, "gpus": 0, "student": {"steps": 6, "epochs": None}, "teacher": {"steps": None, "epochs": 1}}
     common = ["--cfg", json.dumps(sft), "--tracking", tracking, "--seed", "3"]
     main(["sft", "examples", *common, "--teacher", "scripted", "--episodes", str(tmp_path / "traj.parquet"),
