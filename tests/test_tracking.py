@@ -185,8 +185,39 @@ def _end_to_end(store, tmp_path):
     ev = json.loads((tmp_path / "eval.json").read_text())
     assert abs(ev["heldout_target_loss"] - info["sft"]["heldout"]["target_loss"]) < 1e-5  # same held-out split
 
+    # the same job killed after 5 steps (its checkpoint is from step 4), then rerun: it resumes and
+    # writes the same weights as the uninterrupted job
+    import memopd.sft.trainer as trainer
+
+    real_train = trainer.train
+
+    def killed_after_5(*args, **kwargs):
+        real_train(*args, **kwargs, stop_after=5)
+        raise RuntimeError("killed")
+
+    resumed = tmp_path / "student_sft_resumed"
+    argv = ["sft", "train", *common, "--threads", "1", "--role", "student", "--examples", str(tmp_path / "ex.parquet"),
+            "--init", str(init), "--out", str(resumed)]
+    trainer.train = killed_after_5
+    try:
+        with pytest.raises(RuntimeError, match="killed"):
+            main(argv)
+    finally:
+        trainer.train = real_train
+    assert json.loads((resumed / "checkpoint/meta.json").read_text())["step"] == 4
+    main(argv)
+    assert json.loads((resumed / "memopd_model.json").read_text())["sft"]["resumed_from"] == 4
+    from safetensors.torch import load_file
+
+    a, b = load_file(out / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
     c = _client(uri)
-    runs = {r.data.tags["stage"]: r for r in _runs(uri, "e2e")}
+    all_runs = _runs(uri, "e2e")
+    train_runs = sorted((r for r in all_runs if r.data.tags["stage"] == "sft_train"), key=lambda r: r.info.start_time)
+    assert [r.info.status for r in train_runs] == ["FINISHED", "FAILED", "FINISHED"]
+    assert [m.step for m in c.get_metric_history(train_runs[2].info.run_id, "train_loss")] == [5, 6]
+    runs = {r.data.tags["stage"]: r for r in all_runs if r.info.run_id not in [t.info.run_id for t in train_runs[1:]]}
     assert set(runs) == {"sft_examples", "sft_train", "sft_eval"}
     tr = runs["sft_train"]
     assert tr.info.status == "FINISHED" and tr.data.tags["model"] == "student_sft" and tr.data.tags["seed"] == "3"

@@ -161,8 +161,8 @@ def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConf
           identity: dict | None = None, stop_after: int | None = None, progress: bool = True) -> dict:
     """Train `model` in place on `examples`; resume from `checkpoint_dir` when it holds a checkpoint
     of this very run (same fingerprint). `log(metrics, step)` receives training curves and held-out
-    evaluations (rank 0 only). `stop_after=k` returns after k optimizer steps of this call without
-    saving anything (what a kill leaves behind; used by the resume test).
+    evaluations (rank 0 only). `stop_after=k` returns right after the k-th optimizer step of this
+    call (and any checkpoint due then), keeping nothing else: what a kill leaves behind (resume tests).
     Returns a summary (steps, train_seconds, final held-out evaluation, ...)."""
     rank, world, _ = dist_info()
     device = next(model.parameters()).device
@@ -211,6 +211,8 @@ def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConf
                 (s * (world / n_step)).backward()
             nll += s.detach().double()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+        if not torch.isfinite(grad_norm):  # fail loudly rather than train on from NaN weights
+            raise FloatingPointError(f"non-finite gradient norm at step {step + 1}")
         lr = sched.get_last_lr()[0]
         opt.step()
         sched.step()
@@ -230,15 +232,15 @@ def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConf
             ev = evaluate(model, heldout, cfg)
             if log and rank == 0:
                 log({"heldout_target_loss": ev["target_loss"]}, done)
-        if stop_after is not None and done - start >= stop_after:
-            bar.close()
-            return {"completed": False, "step": done, "total_steps": total_steps}
         if done % cfg.checkpoint_every == 0 and done < total_steps:
             meta["step"] = done
             if rank == 0:
                 save_checkpoint(checkpoint_dir, model, opt, sched, meta)
             if world > 1:
                 dist.barrier()
+        if stop_after is not None and done - start >= stop_after:
+            bar.close()
+            return {"completed": False, "step": done, "total_steps": total_steps}
     bar.close()
     final = evaluate(model, heldout, cfg) if heldout else None
     if final and log and rank == 0:
