@@ -289,31 +289,48 @@ def test_bf16_autocast_training_on_gpu(examples, tmp_path):
 
 @pytest.mark.gpu
 def test_torchrun_multi_gpu(tmp_path):
-    """Two GPUs under torchrun (NCCL) agree with one GPU with twice the accumulation."""
+    """Two GPUs under torchrun (NCCL, DDP) follow one GPU with twice the accumulation: same losses and
+    gradient norms per step (GPU kernels reassociate sums, so tolerances are looser than on CPU)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     import subprocess
     import sys
 
-    ex = turn_examples(episodes(), 0.5)[0]
     from memopd.records import save_episodes
 
-    save_episodes(tmp_path / "ex.parquet", ex)
+    save_episodes(tmp_path / "ex.parquet", turn_examples(episodes(), 0.5)[0])
     script = tmp_path / "run.py"
-    script.write_text(
-        "import sys, torch\nsys.path.insert(0, %r)\nfrom test_sft import tiny, CFG\nfrom dataclasses import replace\n"
-        "from memopd.records import load_episodes\nfrom memopd.sft.trainer import setup_distributed, train, dist_info\n"
-        "dev = setup_distributed(); m = tiny().to(dev)\n"
-        "train(m, load_episodes(%r), [], replace(CFG, steps=4, grad_accum=int(sys.argv[1]), eval_every=0), 0, %r, progress=False)\n"
-        "if dist_info()[0] == 0: torch.save({k: v.cpu() for k, v in m.state_dict().items()}, sys.argv[2])\n"
-        % (str(__import__("pathlib").Path(__file__).parent), str(tmp_path / "ex.parquet"), str(tmp_path / "ck")))
-    run = lambda n, acc, out: subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(script), acc, out],
-        check=True, timeout=600)
-    run(2, "1", str(tmp_path / "two.pt"))
-    run(1, "2", str(tmp_path / "one.pt"))
-    a, b = torch.load(tmp_path / "two.pt", weights_only=True), torch.load(tmp_path / "one.pt", weights_only=True)
-    assert all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
+    script.write_text(f"""
+import json, sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from dataclasses import replace
+from test_sft import tiny, CFG
+from memopd.records import load_episodes
+from memopd.sft.trainer import dist_info, setup_distributed, train
+dev = setup_distributed()
+model, logs = tiny().to(dev), []
+cfg = replace(CFG, steps=4, grad_accum=int(sys.argv[1]), eval_every=0, checkpoint_every=1000)
+train(model, load_episodes({str(tmp_path / "ex.parquet")!r}), [], cfg, 0, sys.argv[2] + ".ck",
+      log=lambda m, s: logs.append(m), progress=False)
+if dist_info()[0] == 0:
+    torch.save({{k: v.cpu() for k, v in model.state_dict().items()}}, sys.argv[2])
+    open(sys.argv[2] + ".json", "w").write(json.dumps(logs))
+""")
+
+    def run(n, acc, out):
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                        str(script), acc, str(out)], check=True, timeout=600)
+
+    run(2, "1", tmp_path / "two.pt")
+    run(1, "2", tmp_path / "one.pt")
+    la = json.loads((tmp_path / "two.pt.json").read_text())
+    lb = json.loads((tmp_path / "one.pt.json").read_text())
+    for a, b in zip(la, lb, strict=True):
+        assert a["target_tokens"] == b["target_tokens"]
+        assert abs(a["train_loss"] - b["train_loss"]) <= 1e-4 * abs(b["train_loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * abs(b["grad_norm"])
+    wa, wb = torch.load(tmp_path / "two.pt", weights_only=True), torch.load(tmp_path / "one.pt", weights_only=True)
+    assert all((wa[k] - wb[k]).abs().max() <= 2e-3 for k in wa)
 
 
 def test_bench_runs_every_path_on_the_same_batches(examples):
