@@ -222,6 +222,19 @@ def test_training_lowers_the_target_loss(examples):
     assert after < before - 0.5 and logs[-1]["lr"] < logs[5]["lr"]
 
 
+def test_every_batch_mode_trains_the_same_objective(examples):
+    """packed (dense mask), packed (segmented) and padded training: the same per-step losses."""
+    curves = {}
+    for mode, backend in (("packed", "sdpa"), ("packed", "segmented"), ("padded", "sdpa")):
+        logs = []
+        train(tiny(), examples, [], replace(CFG, mode=mode, backend=backend, steps=4, checkpoint_every=1000), 0,
+              "/nonexistent-unused", log=lambda m, s: logs.append(m["train_loss"]), progress=False)
+        curves[f"{mode}/{backend}"] = logs
+    ref = curves.pop("packed/sdpa")
+    for path, losses in curves.items():
+        assert len(losses) == 4 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref)), path
+
+
 def test_config_from_section_merges_the_role_and_rejects_unknown_keys():
     section = {k: v for k, v in CFG.__dict__.items() if k not in ("steps", "epochs")}
     section.update(min_reward=0.5, gpus=0, student={"steps": 5, "epochs": None}, teacher={"steps": None, "epochs": 2, "lr": 1e-4})
