@@ -237,7 +237,7 @@ def test_every_batch_mode_trains_the_same_objective(examples):
 
 def test_config_from_section_merges_the_role_and_rejects_unknown_keys():
     section = {k: v for k, v in CFG.__dict__.items() if k not in ("steps", "epochs")}
-    section.update(min_reward=0.5, gpus=0, student={"steps": 5, "epochs": None}, teacher={"steps": None, "epochs": 2, "lr": 1e-4})
+    section.update(min_reward=0.5, student={"steps": 5}, teacher={"epochs": 2, "lr": 1e-4})
     assert TrainConfig.from_section(section, "student").steps == 5
     t = TrainConfig.from_section(section, "teacher")
     assert t.epochs == 2 and t.steps is None and t.lr == 1e-4
@@ -293,7 +293,7 @@ def test_two_ranks_equal_one_rank_with_twice_the_accumulation(examples, tmp_path
 @pytest.mark.gpu
 def test_bf16_autocast_training_on_gpu(examples, tmp_path):
     model = tiny().cuda()
-    cfg = replace(CFG, precision="bf16", steps=20, lr=1e-2, eval_every=0, checkpoint_every=1000)
+    cfg = replace(CFG, precision="bf16", backend="segmented", steps=20, lr=1e-2, eval_every=0, checkpoint_every=1000)
     before = evaluate(model, examples, cfg)["target_loss"]
     train(model, examples, [], cfg, 0, tmp_path / "ck", progress=False)
     assert next(model.parameters()).dtype == torch.float32  # fp32 master weights

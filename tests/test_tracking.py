@@ -165,7 +165,7 @@ def _end_to_end(store, tmp_path):
     sft = {"min_reward": 0.5, "seq_len": 128, "grad_accum": 2, "lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 1,
            "weight_decay": 0.0, "betas": [0.9, 0.95], "adam_eps": 1e-8, "clip": 1.0, "eval_fraction": 0.2,
            "eval_every": 3, "checkpoint_every": 4, "precision": "fp32", "mode": "packed", "backend": "segmented",
-           "log_every": 1, "gpus": 0, "student": {"steps": 6, "epochs": None}, "teacher": {"steps": None, "epochs": 1}}
+           "log_every": 1, "student": {"steps": 6}, "teacher": {"epochs": 1}}
     common = ["--cfg", json.dumps(sft), "--tracking", tracking, "--seed", "3"]
     main(["sft", "examples", *common, "--teacher", "scripted", "--episodes", str(tmp_path / "traj.parquet"),
           "--out", str(tmp_path / "ex.parquet"), "--stats", str(tmp_path / "stats.json"),

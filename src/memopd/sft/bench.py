@@ -82,7 +82,8 @@ def bench_sft(model, examples, seq_len: int, lr: float, seed: int, warmup: int =
         row = r["row"]
         row["tokens_per_s"] = row["real_tokens"] / row["seconds"] if row["seconds"] else float("nan")
         row["padding_fraction"] = 1 - row["real_tokens"] / row["computed_tokens"] if row["computed_tokens"] else 0.0
-        rows.append({"seq_len": seq_len, "threads": torch.get_num_threads(), **row})
+        rows.append({"seq_len": seq_len, "device": str(next(r["model"].parameters()).device),
+                     "threads": torch.get_num_threads(), **row})
     padded = next((r["tokens_per_s"] for r in rows if r["mode"] == "padded"), float("nan"))
     for row in rows:
         row["speedup_over_padded"] = row["tokens_per_s"] / padded

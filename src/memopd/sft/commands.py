@@ -35,10 +35,13 @@ def _tracked(args, run_name: str, config: dict, stage: str, model: str, enabled:
 
 
 def _threads(args):
+    """--threads is the job's CPU count: under torchrun each of the node's ranks takes its share."""
+    import os
+
     import torch
 
     if args.threads:
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(max(1, args.threads // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
 
 def cmd_tracking_init(args, cfg):
@@ -142,12 +145,15 @@ def cmd_bench_sft(args, cfg):
     from memopd.sft.bench import SHAPES, bench_sft, synthetic_examples
     from memopd.sft.trainer import TrainConfig
 
+    import torch
+
     _threads(args)
     tcfg = TrainConfig.from_section(cfg, "student")
-    model = load_model(args.model, dtype="float32")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_model(args.model, dtype="float32", device=device)
     examples = synthetic_examples(_token_pool(args.model, args.data_dir), args.examples, args.seed)
     run_cfg = {"sft": cfg, "seed": args.seed, "model": args.model, "examples": args.examples, "shapes": SHAPES,
-               "max_bins": args.max_bins}
+               "max_bins": args.max_bins, "device": device}
     with _tracked(args, "bench_sft", run_cfg, "bench_sft", Path(args.model).name) as run:
         rows = bench_sft(model, examples, tcfg.seq_len, tcfg.lr, args.seed, max_bins=args.max_bins)
         for r in rows:
@@ -155,7 +161,7 @@ def cmd_bench_sft(args, cfg):
             print(f"{r['path']:17s} {r['tokens_per_s']:8.0f} tokens/s  x{r['speedup_over_padded']:.2f} of padded  "
                   f"padding {100 * r['padding_fraction']:4.1f}%  {r['batches']} batches, {r['examples']} examples, "
                   f"{r['seconds']:.1f} s  first loss {r['first_loss']:.5f}")
-        print(f"(seq_len {tcfg.seq_len}, {len(examples)} synthetic turn examples, {rows[0]['threads']} threads)")
+        print(f"(seq_len {tcfg.seq_len}, {len(examples)} synthetic turn examples, {device}, {rows[0]['threads']} threads)")
         if args.out:
             _write_csv(args.out, rows)
             run.log_artifact(args.out)

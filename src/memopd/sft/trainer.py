@@ -35,7 +35,7 @@ from memopd.sft.data import StepPlan, bin_pack, example_len, target_len
 from memopd.sft.loss import TargetLoss, target_loss
 
 ROLES = ("student", "teacher")
-NOT_TRAINER_KEYS = ("min_reward", "gpus")  # keys of the `sft` config section used by other steps
+NOT_TRAINER_KEYS = ("min_reward",)  # keys of the `sft` config section used by other steps
 
 
 @dataclass(frozen=True)
