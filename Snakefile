@@ -18,6 +18,8 @@ include: "workflow/rules/benchmarks.smk"
 include: "workflow/rules/eval.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/teacher.smk"
+include: "workflow/rules/tracking.smk"
+include: "workflow/rules/sft.smk"
 
 
 rule all:

@@ -384,6 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--index", default="results/retrieval/index")
     sp.add_argument("-k", type=int, default=3)
     sp.add_argument("query", nargs="+")
+
+    from memopd.sft.commands import register  # `sft ...`, `tracking init`, `bench sft`
+
+    register(sub, add, bench)
     return p
 
 

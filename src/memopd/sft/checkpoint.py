@@ -1,0 +1,78 @@
+"""Training checkpoints: weights as safetensors, everything else in a tensors-only torch file.
+
+A checkpoint directory holds
+  model.safetensors  the model's weights (safetensors.torch.save_model: shared tensors handled)
+  state.pt           optimizer + scheduler state dicts and RNG states, all plain tensors/numbers,
+                     read back with torch.load(weights_only=True) (no pickled code is ever executed)
+  meta.json          step (the data position: the next optimizer step), fingerprint of the run,
+                     accumulated train seconds, tracking run id
+It is written to `<dir>.tmp` and swapped in, so a kill while saving leaves the previous checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model, save_model
+
+
+def rng_state() -> dict:
+    """Python, torch CPU and CUDA generator states as tensors (weights_only-loadable)."""
+    version, internal, gauss = random.getstate()
+    out = {
+        "python": torch.tensor(internal, dtype=torch.int64),
+        "python_version": version,
+        "torch": torch.get_rng_state(),
+    }
+    if gauss is not None:
+        out["python_gauss"] = gauss
+    if torch.cuda.is_available():
+        out["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate((state["python_version"], tuple(state["python"].tolist()), state.get("python_gauss")))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+def save_checkpoint(path: str | Path, model, optimizer, scheduler, meta: dict) -> None:
+    path = Path(path)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(model, str(tmp / "model.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
+               tmp / "state.pt")
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_meta(path: str | Path) -> dict | None:
+    """The checkpoint's meta.json, or None when there is no complete checkpoint at `path`."""
+    path = Path(path)
+    if not path.exists() and path.with_name(path.name + ".old").exists():
+        path = path.with_name(path.name + ".old")  # killed between the two renames of a save
+    files = [path / n for n in ("model.safetensors", "state.pt", "meta.json")]
+    if not all(f.exists() for f in files):
+        return None
+    return {**json.loads((path / "meta.json").read_text()), "path": str(path)}
+
+
+def load_checkpoint(meta: dict, model, optimizer, scheduler) -> None:
+    """Restore weights, optimizer, scheduler and RNG in place from the checkpoint `meta` points to."""
+    path = Path(meta["path"])
+    load_model(model, str(path / "model.safetensors"), strict=True, device=str(next(model.parameters()).device))
+    state = torch.load(path / "state.pt", weights_only=True, map_location="cpu")
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])

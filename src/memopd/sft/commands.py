@@ -1,0 +1,212 @@
+"""`memopd sft ...`, `memopd tracking init` and `memopd bench sft` (registered by memopd.cli).
+
+Tracked commands take `--tracking JSON` (the `tracking` config section: uri, experiment); without it
+they record nothing in MLflow and say so. MLFLOW_TRACKING_URI in the environment overrides the uri.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+
+def _write_json(path, obj):
+    from memopd.cli import _write_json as w
+
+    w(path, obj)
+
+
+@contextmanager
+def _tracked(args, run_name: str, config: dict, stage: str, model: str, enabled: bool = True):
+    from memopd.tracking import NullRun, resolve_uri, start_run
+
+    if not args.tracking or not enabled:
+        if enabled:
+            print("tracking: off (no --tracking given)")
+        yield NullRun()
+        return
+    t = json.loads(args.tracking)
+    uri = resolve_uri(t["uri"])
+    with start_run(uri, t["experiment"], run_name, config, stage=stage, model=model, seed=args.seed) as run:
+        print(f"tracking: run {run.run_id} in {uri} (experiment {t['experiment']})")
+        yield run
+
+
+def _threads(args):
+    """--threads is the job's CPU count: under torchrun each of the node's ranks takes its share."""
+    import os
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(max(1, args.threads // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+
+
+def cmd_tracking_init(args, cfg):
+    from memopd.tracking import init_store, resolve_uri
+
+    info = init_store(resolve_uri(cfg["uri"]), cfg["experiment"])
+    _write_json(args.out, {**info, "config": cfg})
+    print(f"tracking store {info['tracking_uri']}: experiment {info['experiment']!r} (id {info['experiment_id']})")
+
+
+def cmd_sft_examples(args, cfg):
+    from memopd.cli import _write_csv
+    from memopd.records import load_episodes, save_episodes
+    from memopd.sft.data import turn_examples
+
+    examples, stats = turn_examples(load_episodes(args.episodes), cfg["min_reward"])
+    stats = {"teacher": args.teacher, **stats}
+    save_episodes(args.out, examples)
+    _write_json(args.stats, {**stats, "episodes": args.episodes, "config": cfg})
+    if args.table:
+        _write_csv(args.table, [{k: stats[k] for k in ("teacher", "trajectories_generated", "trajectories_kept",
+                                                       "turn_examples")}])
+    with _tracked(args, "sft_examples", {"sft": cfg, "episodes": args.episodes}, "sft_examples", args.teacher) as run:
+        run.log_metrics({k: v for k, v in stats.items() if isinstance(v, (int, float))}, 0)
+        run.log_dict(stats, "stats.json")
+    print(f"{stats['trajectories_kept']}/{stats['trajectories_generated']} trajectories kept -> "
+          f"{stats['turn_examples']} turn examples ({stats['duplicates_dropped']} duplicates dropped) -> {args.out}")
+
+
+def cmd_sft_train(args, cfg):
+    import torch
+
+    from memopd.models import load_model, load_tokenizer
+    from memopd.records import load_episodes
+    from memopd.sft.data import split_heldout
+    from memopd.sft.trainer import TrainConfig, dist_info, setup_distributed, train
+
+    _threads(args)
+    device = setup_distributed()
+    rank, world, _ = dist_info()
+    tcfg = TrainConfig.from_section(cfg, args.role)
+    train_ex, heldout = split_heldout(load_episodes(args.examples), tcfg.eval_fraction, args.seed)
+    model = load_model(args.init, dtype="float32", device=str(device))  # fp32 master weights
+    st = (Path(args.init) / "model.safetensors").stat()
+    identity = {"init": str(Path(args.init).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    out = Path(args.out)
+    run_cfg = {"sft": cfg, "role": args.role, "resolved": asdict(tcfg), "seed": args.seed, "examples": args.examples,
+               "init": args.init, "world_size": world, "device": str(device)}
+    with _tracked(args, f"sft_{args.role}", run_cfg, "sft_train", f"{args.role}_sft", enabled=rank == 0) as run:
+        summary = train(model, train_ex, heldout, tcfg, args.seed, out / "checkpoint", log=run.log_metrics,
+                        identity=identity)
+        if rank == 0:
+            model.save_pretrained(out, safe_serialization=True)
+            load_tokenizer(args.init).save_pretrained(out)
+            info_path = Path(args.init) / "memopd_model.json"
+            init_info = json.loads(info_path.read_text()) if info_path.exists() else {}
+            info = {**init_info, "params": sum(p.numel() for p in model.parameters()), "init": args.init,
+                    "sft": {"role": args.role, **summary, "config": asdict(tcfg), "seed": args.seed,
+                            "examples": args.examples}}
+            _write_json(out / "memopd_model.json", info)
+            run.log_dict(summary, "summary.json")
+            run.log_metrics({"train_seconds": summary["train_seconds"]}, summary["steps"])
+            shutil.rmtree(out / "checkpoint", ignore_errors=True)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    if rank == 0:
+        h = summary["heldout"]
+        print(f"sft {args.role}: {summary['steps']} steps ({summary['epochs']:.2f} epochs) in "
+              f"{summary['train_seconds']:.0f} s; held-out target loss "
+              f"{h['target_loss'] if h else float('nan'):.4f} -> {out}")
+
+
+def cmd_sft_eval(args, cfg):
+    from memopd.models import load_model
+    from memopd.records import load_episodes
+    from memopd.sft.data import split_heldout
+    from memopd.sft.trainer import TrainConfig, evaluate, setup_distributed
+
+    _threads(args)
+    device = setup_distributed()
+    tcfg = TrainConfig.from_section(cfg, args.role)
+    _, heldout = split_heldout(load_episodes(args.examples), tcfg.eval_fraction, args.seed)
+    if not heldout:
+        raise SystemExit("no held-out examples (eval_fraction is 0 or too small for the data)")
+    model = load_model(args.model, dtype="float32", device=str(device))
+    run_cfg = {"sft": cfg, "role": args.role, "seed": args.seed, "examples": args.examples, "model": args.model}
+    with _tracked(args, f"sft_eval_{args.name}", run_cfg, "sft_eval", args.name) as run:
+        ev = evaluate(model, heldout, tcfg)
+        result = {"model": args.name, "params": sum(p.numel() for p in model.parameters()),
+                  "heldout_target_loss": ev["target_loss"], "heldout_target_tokens": ev["target_tokens"],
+                  "heldout_examples": ev["examples"], "config": run_cfg}
+        run.log_metrics({"heldout_target_loss": ev["target_loss"]}, 0)
+        run.log_dict(result, "eval.json")
+    _write_json(args.out, result)
+    print(f"{args.name}: held-out target loss {ev['target_loss']:.4f} over {ev['target_tokens']} tokens -> {args.out}")
+
+
+def cmd_bench_sft(args, cfg):
+    from memopd.cli import _token_pool, _write_csv
+    from memopd.models import load_model
+    from memopd.sft.bench import SHAPES, bench_sft, synthetic_examples
+    from memopd.sft.trainer import TrainConfig
+
+    import torch
+
+    _threads(args)
+    tcfg = TrainConfig.from_section(cfg, "student")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_model(args.model, dtype="float32", device=device)
+    examples = synthetic_examples(_token_pool(args.model, args.data_dir), args.examples, args.seed)
+    run_cfg = {"sft": cfg, "seed": args.seed, "model": args.model, "examples": args.examples, "shapes": SHAPES,
+               "max_bins": args.max_bins, "device": device}
+    with _tracked(args, "bench_sft", run_cfg, "bench_sft", Path(args.model).name) as run:
+        rows = bench_sft(model, examples, tcfg.seq_len, tcfg.lr, args.seed, max_bins=args.max_bins)
+        for r in rows:
+            run.log_metrics({f"{r['path']}_tokens_per_s".replace("/", "_"): r["tokens_per_s"]}, 0)
+            print(f"{r['path']:17s} {r['tokens_per_s']:8.0f} tokens/s  x{r['speedup_over_padded']:.2f} of padded  "
+                  f"padding {100 * r['padding_fraction']:4.1f}%  {r['batches']} batches, {r['examples']} examples, "
+                  f"{r['seconds']:.1f} s  first loss {r['first_loss']:.5f}")
+        print(f"(seq_len {tcfg.seq_len}, {len(examples)} synthetic turn examples, {device}, {rows[0]['threads']} threads)")
+        if args.out:
+            _write_csv(args.out, rows)
+            run.log_artifact(args.out)
+            print(f"wrote {args.out}")
+
+
+def register(sub, add, bench) -> None:
+    """Add the subcommands to memopd's parser (`add(name, fn, help, parent)` adds --cfg and --seed)."""
+
+    def tracked(sp):
+        sp.add_argument("--tracking", help="JSON of the `tracking` config section (uri, experiment); omit: no MLflow")
+        return sp
+
+    def threads(sp):
+        sp.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+        return sp
+
+    tr = sub.add_parser("tracking", help="MLflow store").add_subparsers(dest="tracking_command", required=True)
+    sp = add("init", cmd_tracking_init, "create the MLflow store and experiment once, before parallel jobs", tr)
+    sp.add_argument("--out", required=True, help="JSON record of the store")
+
+    sft = sub.add_parser("sft", help="supervised fine-tuning").add_subparsers(dest="sft_command", required=True)
+    sp = tracked(add("examples", cmd_sft_examples, "kept trajectories -> de-duplicated turn-level examples", sft))
+    sp.add_argument("--episodes", required=True, help="trajectories (records parquet)")
+    sp.add_argument("--teacher", required=True, help="name of the teacher that played them (stats column)")
+    sp.add_argument("--out", required=True, help="examples (records parquet, one call per episode)")
+    sp.add_argument("--stats", required=True, help="JSON stats")
+    sp.add_argument("--table", help="CSV row: teacher, trajectories_generated, trajectories_kept, turn_examples")
+
+    sp = threads(tracked(add("train", cmd_sft_train, "SFT of the student or teacher (resumes from its checkpoint)", sft)))
+    sp.add_argument("--role", required=True, choices=["student", "teacher"])
+    sp.add_argument("--examples", required=True)
+    sp.add_argument("--init", required=True, help="initial model directory")
+    sp.add_argument("--out", required=True, help="output model directory (checkpoints in OUT/checkpoint)")
+
+    sp = threads(tracked(add("eval", cmd_sft_eval, "held-out target loss of a model", sft)))
+    sp.add_argument("--role", required=True, choices=["student", "teacher"], help="whose batch settings to use")
+    sp.add_argument("--name", required=True, help="model name in the results (student_init, student_sft, ...)")
+    sp.add_argument("--model", required=True)
+    sp.add_argument("--examples", required=True)
+    sp.add_argument("--out", required=True, help="JSON result")
+
+    sp = threads(tracked(add("sft", cmd_bench_sft, "packed vs padded SFT tokens/s, side by side", bench)))
+    sp.add_argument("--model", required=True, help="model directory (e.g. the tiny student's init)")
+    sp.add_argument("--data-dir", default="data", help="token pool: real text through the model's tokenizer")
+    sp.add_argument("--examples", type=int, default=2000, help="synthetic turn examples")
+    sp.add_argument("--max-bins", type=int, default=0, help="time only the first N batches (0: all)")
+    sp.add_argument("--out", help="CSV file")

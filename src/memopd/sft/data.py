@@ -1,0 +1,171 @@
+"""Turn-level SFT examples and their order: filtering, de-duplication, bin packing, held-out split.
+
+A turn-level example is one call of a kept trajectory: the exact input ids the model saw and the
+exact ids it produced (never re-tokenised). It is stored as a one-call `Episode`, so the packing
+compiler lays several examples into one sequence with restarting positions and no attention across
+examples, and the same records parquet format holds them.
+"""
+from __future__ import annotations
+
+import math
+import random
+from bisect import bisect_left, insort
+from dataclasses import dataclass
+
+from memopd.packing import PackingLimitError
+from memopd.records import Episode, Invocation
+
+
+def turn_examples(episodes: list[Episode], min_reward: float) -> tuple[list[Episode], dict]:
+    """Kept trajectories (reward >= min_reward) -> de-duplicated one-call examples, and stats.
+
+    An episode without a reward is an error (a threshold cannot judge it). Duplicates are identical
+    (input ids, target ids) pairs; the first occurrence is kept, so the result is deterministic.
+    Each example's metrics name its source: {"source_task", "source_episode", "call"}.
+    """
+    examples, seen = [], set()
+    kept = candidates = 0
+    for e, ep in enumerate(episodes):
+        if ep.reward is None:
+            raise ValueError(f"episode {e} ({ep.task_id!r}) has no reward: cannot filter it")
+        if ep.reward < min_reward:
+            continue
+        kept += 1
+        ep.validate()
+        for t, inv in enumerate(ep.invocations):
+            candidates += 1
+            key = (tuple(inv.input_ids), tuple(inv.output_ids))
+            if key in seen:
+                continue
+            seen.add(key)
+            examples.append(Episode(
+                task_id=f"{ep.task_id}#{t}", prefix_len=ep.prefix_len,
+                # provenance spans point into other calls, which an example does not hold: in a
+                # single call a retained span is plain context, which is what SFT conditions on
+                invocations=[Invocation(list(inv.input_ids), list(inv.output_ids), stop_reason=inv.stop_reason)],
+                reward=ep.reward,
+                metrics={"source_task": ep.task_id, "source_episode": e, "call": t},
+            ))
+    stats = {
+        "min_reward": min_reward,
+        "trajectories_generated": len(episodes),
+        "trajectories_kept": kept,
+        "turn_candidates": candidates,
+        "duplicates_dropped": candidates - len(examples),
+        "turn_examples": len(examples),
+        "target_tokens": sum(len(x.invocations[0].output_ids) for x in examples),
+        "context_tokens": sum(len(x.invocations[0].input_ids) for x in examples),
+        "max_example_tokens": max((example_len(x) for x in examples), default=0),
+    }
+    return examples, stats
+
+
+def example_len(example: Episode) -> int:
+    """Tokens an example takes in a packed sequence (input + target)."""
+    inv = example.invocations[0]
+    return len(inv.input_ids) + len(inv.output_ids)
+
+
+def target_len(example: Episode) -> int:
+    return len(example.invocations[0].output_ids)
+
+
+def bin_pack(lengths: list[int], max_len: int, names: list[str] | None = None) -> list[list[int]]:
+    """Best-fit bin packing in the given order: each item goes to the open bin with the least room
+    that still fits it, else to a new bin. Returns bins as lists of item indices (in insertion order).
+    Never exceeds max_len; an item longer than max_len raises PackingLimitError naming it."""
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # sorted (room left, bin id)
+    for i, n in enumerate(lengths):
+        if n > max_len:
+            raise PackingLimitError(n, max_len, [names[i] if names else f"example {i}"])
+        k = bisect_left(free, (n, -1))
+        if k < len(free):
+            room, b = free.pop(k)
+        else:
+            room, b = max_len, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        if room - n > 0:
+            insort(free, (room - n, b))
+    return bins
+
+
+@dataclass
+class StepPlan:
+    """The deterministic data order of a training run.
+
+    Epoch e shuffles the examples with Random((seed, e)) and bin-packs them in that order; the
+    epochs' bins form one stream, and optimizer step s takes bins [s*k, (s+1)*k) with
+    k = bins_per_step (= grad_accum x world size), so every step is full. A budget in epochs is
+    rounded up to whole steps (the last step may take bins of the next epoch's order). The plan is
+    a pure function of (lengths, max_len, k, seed, budget): resuming at step s needs only s.
+    """
+
+    lengths: list[int]
+    max_len: int
+    bins_per_step: int
+    seed: int
+    steps: int | None = None
+    epochs: float | None = None
+
+    def __post_init__(self):
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one training budget: steps or epochs")
+        if not self.lengths:
+            raise ValueError("no training examples")
+        self._stream: list[list[int]] = []
+        self._epoch_bins: list[int] = []
+        if self.epochs is not None:
+            whole = math.floor(self.epochs)
+            for _ in range(whole):
+                self._add_epoch()
+            n_bins = sum(self._epoch_bins)
+            if self.epochs > whole:
+                self._add_epoch()
+                n_bins += math.ceil((self.epochs - whole) * self._epoch_bins[-1])
+            self.total_steps = max(1, math.ceil(n_bins / self.bins_per_step))
+        else:
+            self.total_steps = self.steps
+        self._fill((self.total_steps) * self.bins_per_step)
+
+    def _add_epoch(self):
+        order = list(range(len(self.lengths)))
+        random.Random(f"{self.seed}/{len(self._epoch_bins)}").shuffle(order)
+        bins = bin_pack([self.lengths[i] for i in order], self.max_len)
+        self._stream += [[order[j] for j in b] for b in bins]
+        self._epoch_bins.append(len(bins))
+
+    def _fill(self, n_bins: int):
+        while len(self._stream) < n_bins:
+            self._add_epoch()
+
+    def step(self, s: int) -> list[list[int]]:
+        """The bins (lists of example indices) of optimizer step s."""
+        if not 0 <= s < self.total_steps:
+            raise IndexError(f"step {s} outside 0..{self.total_steps - 1}")
+        k = self.bins_per_step
+        return self._stream[s * k : (s + 1) * k]
+
+    @property
+    def epochs_seen(self) -> float:
+        """Epochs covered by total_steps (fractional)."""
+        left, done = self.total_steps * self.bins_per_step, 0.0
+        for n in self._epoch_bins:
+            take = min(left, n)
+            done += take / n
+            left -= take
+        return done
+
+
+def split_heldout(examples: list[Episode], fraction: float, seed: int) -> tuple[list[Episode], list[Episode]]:
+    """(train, held-out): a seeded `fraction` of the source trajectories is held out with all of its
+    turns, so that no turn of a held-out trajectory is trained on. fraction 0 holds out nothing."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"eval fraction {fraction} not in [0, 1)")
+    sources = sorted({x.metrics.get("source_task", x.task_id) for x in examples})
+    random.Random(f"heldout/{seed}").shuffle(sources)
+    held = set(sources[: round(fraction * len(sources))])
+    train = [x for x in examples if x.metrics.get("source_task", x.task_id) not in held]
+    heldout = [x for x in examples if x.metrics.get("source_task", x.task_id) in held]
+    return train, heldout

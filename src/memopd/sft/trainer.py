@@ -1,0 +1,251 @@
+"""The SFT trainer (one trainer for the student and the teacher initialisation).
+
+Loss normalisation: the loss of an optimizer step is the mean over *all target tokens of that step*
+(every micro-batch, every rank): each micro-batch contributes sum(NLL) / N_step, where N_step is
+known before the step from the deterministic data plan. A long response therefore weighs more than
+a short one (token-level mean, not a mean of per-example means).
+
+Data order, schedule and resumption (see `StepPlan`): step s always sees the same bins; a checkpoint
+stores the next step, so a run killed after its last checkpoint resumes there and, on CPU in fp32,
+ends with the same weights as an uninterrupted run. AdamW (weight decay on matrices only, not on
+norms/biases), linear warm-up then cosine decay to min_lr_ratio x lr, gradient clipping by global
+norm, fp32 or bf16 autocast (fp32 master weights). Several GPUs: launched by torchrun
+(WORLD_SIZE > 1), DistributedDataParallel; each rank takes every world-th bin of a step.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from memopd.packing import PackingLimitError
+from memopd.records import Episode
+from memopd.sft.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from memopd.sft.data import StepPlan, bin_pack, example_len, target_len
+from memopd.sft.loss import TargetLoss, target_loss
+
+ROLES = ("student", "teacher")
+NOT_TRAINER_KEYS = ("min_reward",)  # keys of the `sft` config section used by other steps
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seq_len: int  # max tokens of one packed sequence (one micro-batch); an example never exceeds it
+    grad_accum: int  # micro-batches per optimizer step (per rank)
+    lr: float  # peak learning rate
+    min_lr_ratio: float  # cosine floor, as a fraction of lr
+    warmup_steps: int  # linear warm-up optimizer steps
+    weight_decay: float
+    betas: tuple[float, float]
+    adam_eps: float
+    clip: float  # max global gradient norm
+    eval_fraction: float  # held-out fraction of source trajectories
+    eval_every: int  # optimizer steps between held-out evaluations (0: only at the end)
+    checkpoint_every: int  # optimizer steps between checkpoints
+    precision: str  # fp32 | bf16 (autocast; weights and optimizer stay fp32)
+    mode: str  # packed | padded (padded: each example its own row; the benchmark baseline)
+    backend: str  # packed path: segmented (attention per example) or a memopd.attention backend
+    log_every: int  # optimizer steps between logged training metrics
+    steps: int | None = None  # the budget: exactly one of steps / epochs
+    epochs: float | None = None
+
+    @classmethod
+    def from_section(cls, section: dict, role: str | None = None) -> "TrainConfig":
+        """The `sft` config section with the role's overrides (budget, lr, ...) applied."""
+        merged = {k: v for k, v in section.items() if k not in ROLES + NOT_TRAINER_KEYS}
+        if role is not None:
+            if role not in section:
+                raise ValueError(f"sft config has no section for role {role!r}")
+            merged.update(section[role])
+        names = {f.name for f in fields(cls)}
+        if unknown := set(merged) - names:
+            raise ValueError(f"unknown SFT config keys {sorted(unknown)}")
+        required = {f.name for f in fields(cls) if f.name not in ("steps", "epochs")}
+        if missing := required - set(merged):
+            raise ValueError(f"SFT config lacks {sorted(missing)}")
+        merged["betas"] = tuple(merged["betas"])
+        cfg = cls(**merged)
+        if (cfg.steps is None) == (cfg.epochs is None):
+            raise ValueError("SFT config needs exactly one budget: steps or epochs")
+        if cfg.precision not in ("fp32", "bf16") or cfg.mode not in ("packed", "padded"):
+            raise ValueError(f"bad precision {cfg.precision!r} or mode {cfg.mode!r}")
+        return cfg
+
+
+def dist_info() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment (1 process without it)."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def setup_distributed() -> torch.device:
+    """Initialise the process group under torchrun and return this rank's device."""
+    rank, world, local = dist_info()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr used by optimizer step `step` (0-based)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model, cfg: TrainConfig, total_steps: int):
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps)
+
+    def factor(step):  # a plain function: LambdaLR's state_dict then holds no code
+        return lr_factor(step, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def fingerprint(cfg: TrainConfig, seed: int, examples: list[Episode], world: int, identity: dict) -> str:
+    """What a checkpoint must match to be resumed: config, seed, world size, data, initial model."""
+    h = hashlib.sha256(json.dumps([asdict(cfg), seed, world, identity], sort_keys=True, default=str).encode())
+    for x in examples:
+        inv = x.invocations[0]
+        h.update(torch.tensor(inv.input_ids + [-1] + inv.output_ids + [-2], dtype=torch.int64).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _autocast(device: torch.device, precision: str):
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model, examples: list[Episode], cfg: TrainConfig) -> dict:
+    """Held-out target loss: mean NLL per target token over all `examples` (all ranks together)."""
+    rank, world, _ = dist_info()
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    bins = bin_pack([example_len(x) for x in examples], cfg.seq_len, [x.task_id for x in examples])
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for b in bins[rank::world]:
+        with _autocast(device, cfg.precision):
+            s, n = target_loss(model, [examples[i] for i in b], cfg.mode, cfg.seq_len, cfg.backend)
+        total += torch.tensor([s.item(), n], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(total)
+    model.train(was_training)
+    nll, n = total.tolist()
+    return {"target_loss": nll / n if n else float("nan"), "target_tokens": int(n), "examples": len(examples)}
+
+
+def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConfig, seed: int,
+          checkpoint_dir: str | Path, log: Callable[[dict, int], None] | None = None,
+          identity: dict | None = None, stop_after: int | None = None, progress: bool = True) -> dict:
+    """Train `model` in place on `examples`; resume from `checkpoint_dir` when it holds a checkpoint
+    of this very run (same fingerprint). `log(metrics, step)` receives training curves and held-out
+    evaluations (rank 0 only). `stop_after=k` returns right after the k-th optimizer step of this
+    call (and any checkpoint due then), keeping nothing else: what a kill leaves behind (resume tests).
+    Returns a summary (steps, train_seconds, final held-out evaluation, ...)."""
+    rank, world, _ = dist_info()
+    device = next(model.parameters()).device
+    lengths = [example_len(x) for x in examples]
+    for i, n in enumerate(lengths):  # name the offending example before anything runs
+        if n > cfg.seq_len:
+            raise PackingLimitError(n, cfg.seq_len, [examples[i].task_id])
+    plan = StepPlan(lengths, cfg.seq_len, cfg.grad_accum * world, seed, cfg.steps, cfg.epochs)
+    total_steps = plan.total_steps
+    torch.manual_seed(seed)
+    model.train()
+    opt, sched = make_optimizer(model, cfg, total_steps)
+    fp = fingerprint(cfg, seed, examples, world, identity or {})
+    checkpoint_dir = Path(checkpoint_dir)
+    meta = {"step": 0, "fingerprint": fp, "train_seconds": 0.0}
+    found = read_meta(checkpoint_dir)
+    if found is not None and found["fingerprint"] == fp:
+        load_checkpoint(found, model, opt, sched)
+        meta.update(step=found["step"], train_seconds=found["train_seconds"], resumed_from=found["step"])
+        if rank == 0:
+            print(f"resuming from the checkpoint at step {found['step']} in {checkpoint_dir}")
+    elif found is not None and rank == 0:
+        print(f"checkpoint in {checkpoint_dir} belongs to another run (fingerprint {found['fingerprint']} != {fp}); "
+              "starting from scratch and replacing it")
+    start = meta["step"]
+
+    net = TargetLoss(model, cfg.mode, cfg.seq_len, cfg.backend)
+    if world > 1:
+        net = torch.nn.parallel.DistributedDataParallel(net, device_ids=None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    bar = tqdm(total=total_steps, initial=start, disable=not progress or rank != 0, desc="sft", unit="step")
+    done, loss = start, None
+    for step in range(start, total_steps):
+        t0 = time.perf_counter()
+        bins = plan.step(step)
+        n_step = sum(target_len(examples[i]) for b in bins for i in b)  # all ranks' target tokens
+        mine = bins[rank::world]
+        opt.zero_grad(set_to_none=True)
+        nll = torch.zeros((), dtype=torch.float64, device=device)
+        for k, b in enumerate(mine):
+            sync = nullcontext() if world == 1 or k == len(mine) - 1 else net.no_sync()
+            with sync:
+                with _autocast(device, cfg.precision):
+                    s = net([examples[i] for i in b])
+                # DDP averages gradients over ranks: x world turns that into the sum over ranks
+                (s * (world / n_step)).backward()
+            nll += s.detach().double()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+        if not torch.isfinite(grad_norm):  # fail loudly rather than train on from NaN weights
+            raise FloatingPointError(f"non-finite gradient norm at step {step + 1}")
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        if world > 1:
+            dist.all_reduce(nll)
+        dt = time.perf_counter() - t0
+        meta["train_seconds"] += dt
+        done = step + 1
+        loss = nll.item() / n_step
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+        tokens = sum(lengths[i] for b in bins for i in b)
+        if log and rank == 0 and (done % cfg.log_every == 0 or done == total_steps):
+            log({"train_loss": loss, "lr": lr, "grad_norm": float(grad_norm), "target_tokens": n_step,
+                 "tokens_per_s": tokens / dt}, done)
+        if heldout and cfg.eval_every and done % cfg.eval_every == 0 and done < total_steps:
+            ev = evaluate(model, heldout, cfg)
+            if log and rank == 0:
+                log({"heldout_target_loss": ev["target_loss"]}, done)
+        if done % cfg.checkpoint_every == 0 and done < total_steps:
+            meta["step"] = done
+            if rank == 0:
+                save_checkpoint(checkpoint_dir, model, opt, sched, meta)
+            if world > 1:
+                dist.barrier()
+        if stop_after is not None and done - start >= stop_after:
+            bar.close()
+            return {"completed": False, "step": done, "total_steps": total_steps}
+    bar.close()
+    final = evaluate(model, heldout, cfg) if heldout else None
+    if final and log and rank == 0:
+        log({"heldout_target_loss": final["target_loss"]}, total_steps)
+    return {"completed": True, "steps": total_steps, "resumed_from": meta.get("resumed_from"),
+            "epochs": plan.epochs_seen, "train_seconds": meta["train_seconds"], "fingerprint": fp,
+            "train_examples": len(examples), "heldout_examples": len(heldout), "heldout": final,
+            "last_train_loss": loss}

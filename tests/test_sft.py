@@ -1,0 +1,358 @@
+"""SFT: turn-level examples, bin packing, the target-only loss (packed = per example = padded), the
+trainer's resumption, distributed equivalence, and the `memopd sft` commands end to end."""
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memopd.packing import PackingLimitError
+from memopd.records import Episode, Invocation, load_episodes
+from memopd.sft.data import StepPlan, bin_pack, example_len, split_heldout, turn_examples
+from memopd.sft.loss import packed_target_loss, padded_target_loss
+from memopd.sft.trainer import TrainConfig, evaluate, lr_factor, train
+from memopd.synthetic import RULES, random_episode
+
+POOL = list(range(3, 512))
+CFG = TrainConfig(seq_len=160, grad_accum=2, lr=3e-3, min_lr_ratio=0.1, warmup_steps=2, weight_decay=0.01,
+                  betas=(0.9, 0.95), adam_eps=1e-8, clip=1.0, eval_fraction=0.1, eval_every=4, checkpoint_every=3,
+                  precision="fp32", mode="packed", backend="sdpa", log_every=1, steps=8)
+
+
+def tiny(seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False, use_sliding_window=False))
+
+
+def episodes(n=30, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        ep = random_episode(rng, POOL, RULES[i % len(RULES)], 3, 12, (4, 24), (2, 12), task_id=f"task{i}")
+        ep.reward = [0.0, 0.4, 1.0][i % 3]
+        out.append(ep)
+    return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny models on shared cores: one intra-op thread is ~30x faster than two competing threads
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def examples():
+    return turn_examples(episodes(), min_reward=0.5)[0]
+
+
+# --- data -------------------------------------------------------------------------------------------
+
+def test_turn_examples_filter_exact_ids_dedup_and_stats():
+    eps = episodes(9)
+    eps.append(replace(eps[2], task_id="copy-of-task2"))  # a duplicate trajectory (reward 1.0)
+    ex, stats = turn_examples(eps, min_reward=0.5)
+    kept = [e for e in eps if e.reward >= 0.5]
+    assert stats["trajectories_generated"] == 10 and stats["trajectories_kept"] == len(kept) == 4
+    assert stats["turn_candidates"] == 12 and stats["duplicates_dropped"] == 3 and stats["turn_examples"] == 9
+    # exact ids of every kept call, in order, each a one-call episode naming its source
+    calls = [inv for e in kept[:3] for inv in e.invocations]
+    assert [x.invocations[0].input_ids for x in ex] == [c.input_ids for c in calls]
+    assert [x.invocations[0].output_ids for x in ex] == [c.output_ids for c in calls]
+    assert all(len(x.invocations) == 1 and x.prefix_len == 12 for x in ex)
+    assert ex[4].metrics == {"source_task": "task5", "source_episode": 5, "call": 1}
+    with pytest.raises(ValueError, match="task0"):
+        turn_examples([replace(eps[0], reward=None)], 0.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 50), max_size=60), st.integers(50, 120))
+def test_bin_pack_never_exceeds_never_drops(lengths, max_len):
+    bins = bin_pack(lengths, max_len)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))  # each item once, whole
+    assert all(sum(lengths[i] for i in b) <= max_len for b in bins)
+    # best fit is near optimal here: at most one bin more than the volume bound, plus half-full slack
+    assert len(bins) <= 2 * -(-sum(lengths) // max_len) + 1
+
+
+def test_too_long_example_is_an_error_naming_it(examples):
+    lengths = [example_len(x) for x in examples]
+    i = lengths.index(max(lengths))  # the first of the longest: the one that cannot fit one token less
+    with pytest.raises(PackingLimitError, match=examples[i].task_id):
+        bin_pack(lengths, lengths[i] - 1, [x.task_id for x in examples])
+    with pytest.raises(PackingLimitError, match=examples[i].task_id):
+        train(tiny(), examples, [], replace(CFG, seq_len=lengths[i] - 1), 0, "/nonexistent", progress=False)
+
+
+def test_step_plan_is_deterministic_and_covers_each_epoch(examples):
+    lengths = [example_len(x) for x in examples]
+    a = StepPlan(lengths, 160, 2, seed=5, epochs=2)
+    b = StepPlan(lengths, 160, 2, seed=5, epochs=2)
+    assert [a.step(s) for s in range(a.total_steps)] == [b.step(s) for s in range(b.total_steps)]
+    first = a._stream[: a._epoch_bins[0]]
+    assert sorted(i for bin_ in first for i in bin_) == list(range(len(examples)))
+    assert a.total_steps == -(-sum(a._epoch_bins[:2]) // 2) and a.epochs_seen >= 2
+    assert StepPlan(lengths, 160, 2, seed=6, steps=3).step(0) != a.step(0)  # the seed orders the data
+
+
+def test_heldout_split_keeps_trajectories_whole(examples):
+    train_ex, held = split_heldout(examples, 0.3, seed=1)
+    src = lambda xs: {x.metrics["source_task"] for x in xs}  # noqa: E731
+    assert held and not src(train_ex) & src(held) and len(train_ex) + len(held) == len(examples)
+    assert split_heldout(examples, 0.3, seed=1)[1] == held
+
+
+# --- loss ---------------------------------------------------------------------------------------------
+
+def _alone_nll(model, x: Episode) -> torch.Tensor:
+    """Hand computation: the example run alone, full logits, -log p of each target token, summed."""
+    inv = x.invocations[0]
+    ids = torch.tensor([inv.input_ids + inv.output_ids])
+    logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+    n_in = len(inv.input_ids)
+    return -sum(logp[n_in - 1 + k, t] for k, t in enumerate(inv.output_ids))
+
+
+def test_loss_is_on_target_tokens_only(examples):
+    model = tiny().eval()
+    batch = examples[:5]
+    seen = {}
+    hook = model.model.norm.register_forward_hook(lambda m, i, out: seen.__setitem__("h", out) or out.retain_grad())
+    s, n = packed_target_loss(model, batch)
+    hook.remove()
+    s.backward()
+    # the hand computation: per example, alone, summed over its target tokens
+    with torch.no_grad():
+        ref = sum(_alone_nll(model, x) for x in batch)
+    assert n == sum(len(x.invocations[0].output_ids) for x in batch)
+    assert abs(s.item() - ref.item()) <= 1e-4 * abs(ref.item())
+    # only the positions that predict target tokens receive gradient: context positions carry none
+    from memopd.packing import pack
+
+    p = pack(batch)
+    g = seen["h"].grad[0].abs().sum(-1)
+    is_pred = torch.zeros(len(p), dtype=torch.bool)
+    is_pred[p.pred_index] = True
+    assert (g[~is_pred] == 0).all() and (g[is_pred] > 0).all() and is_pred.sum() == n
+
+
+def test_packed_loss_equals_per_example_and_padded_with_gradients(examples):
+    """The packed loss (dense mask or segment by segment) and the padded loss equal the mean over all
+    target tokens of the examples run one at a time; so do their gradients."""
+    batch = examples[:7]
+    ref_model = tiny()
+    n = sum(len(x.invocations[0].output_ids) for x in batch)
+    ref = sum(_alone_nll(ref_model, x) for x in batch) / n
+    ref.backward()
+    paths = {"packed/sdpa": lambda m: packed_target_loss(m, batch, backend="sdpa"),
+             "packed/segmented": lambda m: packed_target_loss(m, batch, backend="segmented"),
+             "padded": lambda m: padded_target_loss(m, batch)}
+    for path, loss in paths.items():
+        model = tiny()
+        s, n_path = loss(model)
+        assert n_path == n and abs(s.item() / n - ref.item()) < 1e-5, path
+        (s / n).backward()
+        for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):
+            scale = a.grad.abs().max().item() + 1e-8
+            assert (a.grad - b.grad).abs().max().item() <= 1e-4 * scale + 1e-7, (path, name)
+
+
+def test_segmented_execution_refuses_multi_call_segments():
+    from memopd.packing import pack
+    from memopd.sft.segmented import segmented_hidden
+
+    with pytest.raises(ValueError, match="one-call"):
+        segmented_hidden(tiny(), pack(episodes(1)[0]))
+
+
+# --- trainer ------------------------------------------------------------------------------------------
+
+def test_lr_schedule():
+    f = [lr_factor(s, 4, 20, 0.1) for s in range(20)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0] and f[4] == 1.0
+    assert all(a >= b for a, b in zip(f[4:], f[5:])) and abs(lr_factor(20, 4, 20, 0.1) - 0.1) < 1e-12
+
+
+def test_resume_after_interruption_matches_uninterrupted(examples, tmp_path):
+    train_ex, held = split_heldout(examples, CFG.eval_fraction, 0)
+    logs_a, logs_b = [], []
+    a = tiny()
+    sa = train(a, train_ex, held, CFG, 0, tmp_path / "a", log=lambda m, s: logs_a.append((s, m)), progress=False)
+    assert sa["completed"] and sa["steps"] == 8 and sa["resumed_from"] is None
+    # the same run, killed after 5 steps: its last checkpoint is from step 3, step 4-5 are lost
+    b = tiny()
+    part = train(b, train_ex, held, CFG, 0, tmp_path / "b", progress=False, stop_after=5)
+    assert part == {"completed": False, "step": 5, "total_steps": 8}
+    assert json.loads((tmp_path / "b/meta.json").read_text())["step"] == 3
+    state = torch.load(tmp_path / "b/state.pt", weights_only=True)  # tensors and numbers only
+    assert set(state) == {"optimizer", "scheduler", "rng"}
+    # a fresh model object from the same init, resumed from the checkpoint
+    c = tiny()
+    sc = train(c, train_ex, held, CFG, 0, tmp_path / "b", log=lambda m, s: logs_b.append((s, m)), progress=False)
+    assert sc["resumed_from"] == 3 and sc["steps"] == 8
+    for (name, p), q in zip(a.named_parameters(), c.parameters()):
+        assert (p - q).abs().max().item() <= 1e-6, name
+    assert abs(sa["heldout"]["target_loss"] - sc["heldout"]["target_loss"]) <= 1e-6
+    losses = lambda logs: {s: m["train_loss"] for s, m in logs if "train_loss" in m}  # noqa: E731
+    la, lb = losses(logs_a), losses(logs_b)
+    assert sorted(lb) == [4, 5, 6, 7, 8] and all(abs(la[s] - lb[s]) <= 1e-6 for s in lb)
+    # a checkpoint of another run (other config) is never resumed
+    d = tiny()
+    sd = train(d, train_ex, held, replace(CFG, lr=1e-3), 0, tmp_path / "b", progress=False, stop_after=1)
+    assert sd["step"] == 1  # started from scratch, not from step 3
+
+
+def test_training_lowers_the_target_loss(examples):
+    cfg = replace(CFG, steps=30, lr=1e-2, warmup_steps=3, eval_every=0, checkpoint_every=1000)
+    model = tiny()
+    before = evaluate(model, examples, cfg)["target_loss"]
+    logs = []
+    train(model, examples, [], cfg, 0, "/nonexistent-unused", log=lambda m, s: logs.append(m), progress=False)
+    after = evaluate(model, examples, cfg)["target_loss"]
+    assert after < before - 0.5 and logs[-1]["lr"] < logs[5]["lr"]
+
+
+def test_every_batch_mode_trains_the_same_objective(examples):
+    """packed (dense mask), packed (segmented) and padded training: the same per-step losses."""
+    curves = {}
+    for mode, backend in (("packed", "sdpa"), ("packed", "segmented"), ("padded", "sdpa")):
+        logs = []
+        train(tiny(), examples, [], replace(CFG, mode=mode, backend=backend, steps=4, checkpoint_every=1000), 0,
+              "/nonexistent-unused", log=lambda m, s: logs.append(m["train_loss"]), progress=False)
+        curves[f"{mode}/{backend}"] = logs
+    ref = curves.pop("packed/sdpa")
+    for path, losses in curves.items():
+        assert len(losses) == 4 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref)), path
+
+
+def test_config_from_section_merges_the_role_and_rejects_unknown_keys():
+    section = {k: v for k, v in CFG.__dict__.items() if k not in ("steps", "epochs")}
+    section.update(min_reward=0.5, student={"steps": 5}, teacher={"epochs": 2, "lr": 1e-4})
+    assert TrainConfig.from_section(section, "student").steps == 5
+    t = TrainConfig.from_section(section, "teacher")
+    assert t.epochs == 2 and t.steps is None and t.lr == 1e-4
+    with pytest.raises(ValueError, match="bogus"):
+        TrainConfig.from_section({**section, "bogus": 1}, "student")
+    with pytest.raises(ValueError, match="exactly one"):
+        TrainConfig.from_section({**section, "student": {"steps": 5, "epochs": 1}}, "student")
+
+
+def _ddp_worker(rank, world, port, examples, cfg, out):
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    model = tiny()
+    logs = []
+    train(model, examples, [], cfg, 0, out + "/ck", log=lambda m, s: logs.append(m), progress=False)
+    if rank == 0:
+        torch.save({k: v.detach() for k, v in model.state_dict().items()}, out + "/w.pt")
+        (Path(out) / "logs.json").write_text(json.dumps(logs))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_equal_one_rank_with_twice_the_accumulation(examples, tmp_path):
+    """DDP (gloo on CPU; the same code runs NCCL under torchrun): world 2 x accumulation 1 takes the
+    same bins per step as world 1 x accumulation 2, so the weights must agree."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    cfg = replace(CFG, steps=4, eval_every=0, checkpoint_every=1000)
+    single, logs = tiny(), []
+    train(single, examples, [], cfg, 0, tmp_path / "single", log=lambda m, s: logs.append(m), progress=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # fork: the children inherit the imported modules (spawn would re-import torch and transformers)
+    mp.start_processes(_ddp_worker, args=(2, port, examples, replace(cfg, grad_accum=1), str(tmp_path)), nprocs=2,
+                       start_method="fork")
+    w = torch.load(tmp_path / "w.pt", weights_only=True)
+    for k, v in single.state_dict().items():
+        assert (v - w[k]).abs().max().item() <= 1e-5, k
+    # Adam hides a wrong gradient scale in the weights; the loss and the gradient norm do not
+    for a, b in zip(logs, json.loads((tmp_path / "logs.json").read_text()), strict=True):
+        for key in ("train_loss", "grad_norm", "target_tokens"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), key
+
+
+@pytest.mark.gpu
+def test_bf16_autocast_training_on_gpu(examples, tmp_path):
+    model = tiny().cuda()
+    cfg = replace(CFG, precision="bf16", backend="segmented", steps=20, lr=1e-2, eval_every=0, checkpoint_every=1000)
+    before = evaluate(model, examples, cfg)["target_loss"]
+    train(model, examples, [], cfg, 0, tmp_path / "ck", progress=False)
+    assert next(model.parameters()).dtype == torch.float32  # fp32 master weights
+    assert evaluate(model, examples, cfg)["target_loss"] < before - 0.3
+
+
+@pytest.mark.gpu
+def test_torchrun_multi_gpu(tmp_path):
+    """Two GPUs under torchrun (NCCL, DDP) follow one GPU with twice the accumulation: same losses and
+    gradient norms per step (GPU kernels reassociate sums, so tolerances are looser than on CPU)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    import subprocess
+    import sys
+
+    from memopd.records import save_episodes
+
+    save_episodes(tmp_path / "ex.parquet", turn_examples(episodes(), 0.5)[0])
+    script = tmp_path / "run.py"
+    script.write_text(f"""
+import json, sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from dataclasses import replace
+from test_sft import tiny, CFG
+from memopd.records import load_episodes
+from memopd.sft.trainer import dist_info, setup_distributed, train
+dev = setup_distributed()
+model, logs = tiny().to(dev), []
+cfg = replace(CFG, steps=4, grad_accum=int(sys.argv[1]), eval_every=0, checkpoint_every=1000)
+train(model, load_episodes({str(tmp_path / "ex.parquet")!r}), [], cfg, 0, sys.argv[2] + ".ck",
+      log=lambda m, s: logs.append(m), progress=False)
+if dist_info()[0] == 0:
+    torch.save({{k: v.cpu() for k, v in model.state_dict().items()}}, sys.argv[2])
+    open(sys.argv[2] + ".json", "w").write(json.dumps(logs))
+""")
+
+    def run(n, acc, out):
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                        str(script), acc, str(out)], check=True, timeout=600)
+
+    run(2, "1", tmp_path / "two.pt")
+    run(1, "2", tmp_path / "one.pt")
+    la = json.loads((tmp_path / "two.pt.json").read_text())
+    lb = json.loads((tmp_path / "one.pt.json").read_text())
+    for a, b in zip(la, lb, strict=True):
+        assert a["target_tokens"] == b["target_tokens"]
+        assert abs(a["train_loss"] - b["train_loss"]) <= 1e-4 * abs(b["train_loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * abs(b["grad_norm"])
+    wa, wb = torch.load(tmp_path / "two.pt", weights_only=True), torch.load(tmp_path / "one.pt", weights_only=True)
+    assert all((wa[k] - wb[k]).abs().max() <= 2e-3 for k in wa)
+
+
+def test_bench_runs_every_path_on_the_same_batches(examples):
+    from memopd.sft.bench import bench_sft
+
+    seg, dense, padded = bench_sft(tiny(), examples, 160, 1e-3, seed=0, warmup=1, progress=False)
+    assert [r["path"] for r in (seg, dense, padded)] == ["packed/segmented", "packed/sdpa", "padded"]
+    assert seg["real_tokens"] == dense["real_tokens"] == padded["real_tokens"] == seg["computed_tokens"] > 0
+    assert padded["computed_tokens"] > padded["real_tokens"] and seg["padding_fraction"] == 0
+    for r in (dense, padded):  # the same objective on the same weights
+        assert abs(r["first_loss"] - seg["first_loss"]) < 1e-5
+    assert padded["speedup_over_padded"] == 1.0

@@ -1,0 +1,231 @@
+"""MLflow tracking in a real SQLite store: a run's params/metrics/artifacts/tags, concurrent writers,
+the store created once, the environment's tracking URI."""
+import multiprocessing as mp
+
+import pytest
+
+from memopd.tracking import flatten, init_store, resolve_uri, start_run
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One store for the module (creating one costs seconds): the URI and its directory."""
+    d = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{d}/mlflow.db"
+    init_store(uri, "memopd")
+    return uri, d
+
+
+def _client(uri):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _runs(uri, experiment):
+    c = _client(uri)
+    return c.search_runs([c.get_experiment_by_name(experiment).experiment_id], max_results=1000)
+
+
+def test_flatten():
+    assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": "x", "f": None, "g": {}}) == {
+        "a.b": "1", "a.c.d": "[1, 2]", "e": "x", "f": "null", "g": "{}"}
+
+
+def test_a_run_records_params_metrics_artifacts_and_tags(store, tmp_path):
+    uri, d = store
+    cfg = {"sft": {"lr": 1e-3, "betas": [0.9, 0.95], "student": {"steps": 3}}, "role": "student"}
+    stats = tmp_path / "stats.json"
+    stats.write_text('{"turn_examples": 9}')
+    with start_run(uri, "memopd", "sft_student", cfg, stage="sft_train", model="student_sft", seed=7) as run:
+        for step in range(1, 4):
+            run.log_metrics({"train_loss": 5.0 - step, "lr": 1e-3 * step}, step)
+        run.log_metrics({"heldout_target_loss": 1.5}, 3)
+        run.log_artifact(stats)
+        run_id = run.run_id
+    c = _client(uri)
+    r = c.get_run(run_id)
+    assert r.info.status == "FINISHED"
+    assert r.data.params == {"sft.lr": "0.001", "sft.betas": "[0.9, 0.95]", "sft.student.steps": "3", "role": "student"}
+    assert [(m.step, m.value) for m in c.get_metric_history(run_id, "train_loss")] == [(1, 4.0), (2, 3.0), (3, 2.0)]
+    assert r.data.metrics["heldout_target_loss"] == 1.5
+    tags = r.data.tags
+    assert tags["stage"] == "sft_train" and tags["model"] == "student_sft" and tags["seed"] == "7"
+    assert len(tags["git_commit"]) >= 40 or tags["git_commit"] == "unknown"
+    assert sorted(a.path for a in c.list_artifacts(run_id)) == ["config.json", "stats.json"]
+    assert (d / "mlartifacts").is_dir()  # artifacts live beside the database
+
+
+def test_a_failing_job_leaves_a_failed_run(store):
+    uri, _ = store
+    with pytest.raises(RuntimeError):
+        with start_run(uri, "memopd", "boom", {}, stage="sft_eval", model="m", seed=0) as run:
+            run.log_metrics({"x": 1.0}, 0)
+            run_id = run.run_id
+            raise RuntimeError("boom")
+    r = _client(uri).get_run(run_id)
+    assert r.info.status == "FAILED" and r.data.metrics["x"] == 1.0  # buffered metrics still written
+
+
+def test_jobs_never_create_the_store_themselves(tmp_path):
+    uri = f"sqlite:///{tmp_path}/absent.db"
+    with pytest.raises(FileNotFoundError, match="tracking init"):
+        with start_run(uri, "memopd", "r", {}, stage="s", model="m", seed=0):
+            pass
+    assert not (tmp_path / "absent.db").exists()
+
+
+def test_the_environment_uri_is_used_unchanged(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert resolve_uri("sqlite:///results/mlflow.db") == "http://127.0.0.1:5999"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert resolve_uri("sqlite:///results/mlflow.db") == "sqlite:///results/mlflow.db"
+
+
+N_WRITERS, STEPS, PARAMS = 4, 150, 30
+
+
+def _writer(uri, k, barrier):
+    from memopd.tracking import start_run
+
+    cfg = {f"p{i}": i * k for i in range(PARAMS)}
+    barrier.wait()  # all four start together
+    with start_run(uri, "concurrent", f"writer{k}", cfg, stage="test", model=f"w{k}", seed=k, flush_every=20) as run:
+        for s in range(STEPS):
+            run.log_metrics({"loss": k + s / 1000, "lr": float(s)}, s)
+        run.log_dict({"writer": k}, "stats.json")
+
+
+def test_four_concurrent_writers_lose_nothing(store):
+    uri, _ = store
+    init_store(uri, "concurrent")  # once, before the parallel jobs (as `memopd tracking init` does)
+    ctx = mp.get_context("spawn")  # fresh interpreters, like parallel Snakemake jobs
+    barrier = ctx.Barrier(N_WRITERS)
+    procs = [ctx.Process(target=_writer, args=(uri, k, barrier)) for k in range(N_WRITERS)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    assert [p.exitcode for p in procs] == [0] * N_WRITERS
+    runs = _runs(uri, "concurrent")
+    assert sorted(r.info.run_name for r in runs) == [f"writer{k}" for k in range(N_WRITERS)]
+    c = _client(uri)
+    for r in runs:
+        k = int(r.info.run_name.removeprefix("writer"))
+        assert r.info.status == "FINISHED"
+        assert r.data.params == {f"p{i}": str(i * k) for i in range(PARAMS)}
+        hist = c.get_metric_history(r.info.run_id, "loss")
+        assert sorted((m.step, m.value) for m in hist) == [(s, k + s / 1000) for s in range(STEPS)]
+        assert len(c.get_metric_history(r.info.run_id, "lr")) == STEPS
+        assert sorted(a.path for a in c.list_artifacts(r.info.run_id)) == ["config.json", "stats.json"]
+
+
+def test_sft_commands_end_to_end_are_tracked_runs(store, tmp_path, monkeypatch):
+    """`memopd tracking init`, `sft examples`, `sft train`, `sft eval` through the
+    real CLI (in process), recorded as MLflow runs in a real SQLite store."""
+    import torch
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    threads = torch.get_num_threads()  # `--threads 1` sets torch's global thread count: restore it after
+    try:
+        _end_to_end(store, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _end_to_end(store, tmp_path):
+    import csv
+    import json
+    import random
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from memopd.cli import main
+    from memopd.models import train_tokenizer
+    from memopd.records import save_episodes
+    from memopd.synthetic import random_episode
+
+    uri, _ = store
+    tracking = json.dumps({"uri": uri, "experiment": "e2e"})
+    main(["tracking", "init", "--cfg", tracking, "--out", str(tmp_path / "store.json")])
+    assert json.loads((tmp_path / "store.json").read_text())["experiment"] == "e2e"
+
+    rng = random.Random(0)
+    eps = [random_episode(rng, range(3, 300), "full_retention", 3, 10, (3, 12), (2, 8), task_id=f"t{i}") for i in range(24)]
+    for i, e in enumerate(eps):
+        e.reward = float(i % 4 != 0)
+    save_episodes(tmp_path / "traj.parquet", eps)
+    torch.manual_seed(0)
+    init = tmp_path / "init"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+                                 use_sliding_window=False)).save_pretrained(init)
+    train_tokenizer(["a tiny corpus for a tokenizer"] * 10, 300, init)
+    sft = {"min_reward": 0.5, "seq_len": 128, "grad_accum": 2, "lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 1,
+           "weight_decay": 0.0, "betas": [0.9, 0.95], "adam_eps": 1e-8, "clip": 1.0, "eval_fraction": 0.2,
+           "eval_every": 3, "checkpoint_every": 4, "precision": "fp32", "mode": "packed", "backend": "segmented",
+           "log_every": 1, "student": {"steps": 6}, "teacher": {"epochs": 1}}
+    common = ["--cfg", json.dumps(sft), "--tracking", tracking, "--seed", "3"]
+    main(["sft", "examples", *common, "--teacher", "scripted", "--episodes", str(tmp_path / "traj.parquet"),
+          "--out", str(tmp_path / "ex.parquet"), "--stats", str(tmp_path / "stats.json"),
+          "--table", str(tmp_path / "sft_data_stats.csv")])
+    with open(tmp_path / "sft_data_stats.csv") as f:
+        assert list(csv.DictReader(f)) == [{"teacher": "scripted", "trajectories_generated": "24",
+                                            "trajectories_kept": "18", "turn_examples": "54"}]
+    out = tmp_path / "student_sft"
+    main(["sft", "train", *common, "--threads", "1", "--role", "student", "--examples", str(tmp_path / "ex.parquet"),
+          "--init", str(init), "--out", str(out)])
+    info = json.loads((out / "memopd_model.json").read_text())
+    assert info["sft"]["steps"] == 6 and info["sft"]["config"]["lr"] == 3e-3 and info["sft"]["heldout"]["examples"] > 0
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    assert not (out / "checkpoint").exists()  # removed once the model is written
+    main(["sft", "eval", *common, "--threads", "1", "--role", "student", "--name", "student_sft", "--model", str(out),
+          "--examples", str(tmp_path / "ex.parquet"), "--out", str(tmp_path / "eval.json")])
+    ev = json.loads((tmp_path / "eval.json").read_text())
+    assert abs(ev["heldout_target_loss"] - info["sft"]["heldout"]["target_loss"]) < 1e-5  # same held-out split
+
+    # the same job killed after 5 steps (its checkpoint is from step 4), then rerun: it resumes and
+    # writes the same weights as the uninterrupted job
+    import memopd.sft.trainer as trainer
+
+    real_train = trainer.train
+
+    def killed_after_5(*args, **kwargs):
+        real_train(*args, **kwargs, stop_after=5)
+        raise RuntimeError("killed")
+
+    resumed = tmp_path / "student_sft_resumed"
+    argv = ["sft", "train", *common, "--threads", "1", "--role", "student", "--examples", str(tmp_path / "ex.parquet"),
+            "--init", str(init), "--out", str(resumed)]
+    trainer.train = killed_after_5
+    try:
+        with pytest.raises(RuntimeError, match="killed"):
+            main(argv)
+    finally:
+        trainer.train = real_train
+    assert json.loads((resumed / "checkpoint/meta.json").read_text())["step"] == 4
+    main(argv)
+    assert json.loads((resumed / "memopd_model.json").read_text())["sft"]["resumed_from"] == 4
+    from safetensors.torch import load_file
+
+    a, b = load_file(out / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    c = _client(uri)
+    all_runs = _runs(uri, "e2e")
+    train_runs = sorted((r for r in all_runs if r.data.tags["stage"] == "sft_train"), key=lambda r: r.info.start_time)
+    assert [r.info.status for r in train_runs] == ["FINISHED", "FAILED", "FINISHED"]
+    assert [m.step for m in c.get_metric_history(train_runs[2].info.run_id, "train_loss")] == [5, 6]
+    runs = {r.data.tags["stage"]: r for r in all_runs if r.info.run_id not in [t.info.run_id for t in train_runs[1:]]}
+    assert set(runs) == {"sft_examples", "sft_train", "sft_eval"}
+    tr = runs["sft_train"]
+    assert tr.info.status == "FINISHED" and tr.data.tags["model"] == "student_sft" and tr.data.tags["seed"] == "3"
+    assert tr.data.params["sft.student.steps"] == "6" and tr.data.params["resolved.steps"] == "6"
+    assert [m.step for m in c.get_metric_history(tr.info.run_id, "train_loss")] == [1, 2, 3, 4, 5, 6]
+    assert [m.step for m in c.get_metric_history(tr.info.run_id, "heldout_target_loss")] == [3, 6]
+    assert len(c.get_metric_history(tr.info.run_id, "lr")) == 6
+    assert {a.path for a in c.list_artifacts(tr.info.run_id)} == {"config.json", "summary.json"}
+    assert {a.path for a in c.list_artifacts(runs["sft_examples"].info.run_id)} == {"config.json", "stats.json"}
+    assert runs["sft_examples"].data.metrics["turn_examples"] == 54
+    assert runs["sft_eval"].data.metrics["heldout_target_loss"] == pytest.approx(ev["heldout_target_loss"])

@@ -1,0 +1,133 @@
+# Supervised fine-tuning: turn-level examples from the kept trajectories, SFT of the student and the
+# teacher (resumable: a rerun continues from results/models/{role}_sft/checkpoint), held-out target
+# loss of every model, and the packed-vs-padded SFT benchmark. Every job is an MLflow run.
+# Not in `rule all` yet: results/sft/trajectories.parquet comes from the trajectory step.
+
+# which teacher played the trajectories: a column of results/tables/sft_data_stats.csv
+TRAJECTORY_TEACHER = {"embedded": "scripted", "paper": "llm"}[config["scale"]]
+SFT_SRC = src("records", "packing", "attention", "models", "tracking", "cli", "sft/data", "sft/loss",
+              "sft/segmented", "sft/checkpoint", "sft/trainer", "sft/commands")
+
+
+rule sft_examples:
+    input:
+        src("records", "tracking", "cli", "sft/data", "sft/commands"),
+        episodes="results/sft/trajectories.parquet",
+        tracking=TRACKING_STORE,
+    output:
+        examples="results/sft/examples.parquet",
+        stats="results/sft/examples_stats.json",
+        table="results/tables/sft_data_stats.csv",
+    params:
+        memopd=MEMOPD,
+        cfg=cfg_json("sft"),
+        tracking=cfg_json("tracking"),
+        seed=config["seed"],
+        teacher=TRAJECTORY_TEACHER,
+    log:
+        f"{LOGS}/sft_examples.log",
+    benchmark:
+        f"{LOGS}/bench/sft_examples.tsv"
+    threads: job_threads("sft_examples")
+    resources:
+        **job_resources("sft_examples"),
+    conda:
+        ENV_CPU
+    shell:
+        "{params.memopd} sft examples --cfg {params.cfg:q} --tracking {params.tracking:q} --seed {params.seed} "
+        "--teacher {params.teacher} --episodes {input.episodes} --out {output.examples} "
+        "--stats {output.stats} --table {output.table} > {log} 2>&1"
+
+
+rule sft_train:
+    input:
+        SFT_SRC,
+        examples="results/sft/examples.parquet",
+        init="results/models/{role}_init/model.safetensors",
+        tracking=TRACKING_STORE,
+    output:
+        "results/models/{role}_sft/model.safetensors",
+    wildcard_constraints:
+        role="student|teacher",
+    params:
+        launch=launcher,  # torchrun (DDP) when the job has several GPUs
+        cfg=cfg_json("sft"),
+        tracking=cfg_json("tracking"),
+        seed=config["seed"],
+        initdir=lambda w, input: os.path.dirname(input.init),
+        outdir=lambda w, output: os.path.dirname(output[0]),
+    log:
+        f"{LOGS}/sft_train_{{role}}.log",
+    benchmark:
+        f"{LOGS}/bench/sft_train_{{role}}.tsv"
+    threads: job_threads("sft_train")
+    resources:
+        **job_resources("sft_train"),
+    conda:
+        ENV_GPU
+    shell:
+        "{params.launch} sft train --role {wildcards.role} --cfg {params.cfg:q} --tracking {params.tracking:q} "
+        "--seed {params.seed} --threads {threads} --examples {input.examples} --init {params.initdir} "
+        "--out {params.outdir} > {log} 2>&1"
+
+
+rule sft_eval:
+    input:
+        SFT_SRC,
+        examples="results/sft/examples.parquet",
+        model="results/models/{name}/model.safetensors",
+        tracking=TRACKING_STORE,
+    output:
+        "results/sft/heldout_{name}.json",
+    wildcard_constraints:
+        name="student_init|student_sft|teacher_sft",
+    params:
+        memopd=MEMOPD,
+        cfg=cfg_json("sft"),
+        tracking=cfg_json("tracking"),
+        seed=config["seed"],
+        role=lambda w: w.name.split("_")[0],
+        modeldir=lambda w, input: os.path.dirname(input.model),
+    log:
+        f"{LOGS}/sft_eval_{{name}}.log",
+    benchmark:
+        f"{LOGS}/bench/sft_eval_{{name}}.tsv"
+    threads: job_threads("sft_eval")
+    resources:
+        **job_resources("sft_eval"),
+    conda:
+        ENV_GPU
+    shell:
+        "{params.memopd} sft eval --role {params.role} --name {wildcards.name} --cfg {params.cfg:q} "
+        "--tracking {params.tracking:q} --seed {params.seed} --threads {threads} --model {params.modeldir} "
+        "--examples {input.examples} --out {output} > {log} 2>&1"
+
+
+rule bench_sft:
+    input:
+        SFT_SRC,
+        src("synthetic", "sft/bench"),
+        model="results/models/student_init/model.safetensors",
+        data=config["data_dir"],
+        tracking=TRACKING_STORE,
+    output:
+        "results/bench/sft_packed_vs_padded.csv",
+    params:
+        memopd=MEMOPD,
+        cfg=cfg_json("sft"),
+        tracking=cfg_json("tracking"),
+        seed=config["seed"],
+        modeldir=lambda w, input: os.path.dirname(input.model),
+    log:
+        f"{LOGS}/bench_sft.log",
+    benchmark:
+        f"{LOGS}/bench/bench_sft.tsv"
+    threads: job_threads("bench_sft")
+    resources:
+        **job_resources("bench_sft"),
+    conda:
+        ENV_GPU
+    shell:
+        "{params.memopd} bench sft --cfg {params.cfg:q} --tracking {params.tracking:q} --seed {params.seed} "
+        "--threads {threads} --model {params.modeldir} --data-dir {input.data} --examples 2000 "
+        "--out {output} > {log} 2>&1"
