@@ -12,14 +12,14 @@ if not workflow.overwrite_configfiles:
 
 
 include: "workflow/rules/common.smk"
-include: "workflow/rules/models.smk"
-include: "workflow/rules/audit.smk"
-include: "workflow/rules/benchmarks.smk"
-include: "workflow/rules/eval.smk"
-include: "workflow/rules/train.smk"
-include: "workflow/rules/teacher.smk"
 include: "workflow/rules/tracking.smk"
+include: "workflow/rules/models.smk"
+include: "workflow/rules/benchmarks.smk"
+include: "workflow/rules/teacher.smk"
 include: "workflow/rules/sft.smk"
+include: "workflow/rules/eval.smk"
+include: "workflow/rules/audit.smk"
+include: "workflow/rules/train.smk"
 
 
 rule all:
@@ -31,6 +31,9 @@ rule all:
         rules.benchmarks.output,
         "results/tables/retrieval_recall.csv",
         "results/audit/rce_rollouts.json",
+        "results/tables/sft_data_stats.csv",
+        "results/tables/sft_summary.csv",
+        rules.eval_all.input,
         rules.results_tables.output,
 
 

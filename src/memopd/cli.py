@@ -177,7 +177,12 @@ def cmd_eval(args, cfg):
     overrides = {k: per_benchmark(ev[k]) for k in ("temperature", "max_new_tokens") if k in ev}
     args.limit = args.limit or per_benchmark(ev.get("max_tasks"))
     backend, tok, _, tasks, retriever, agent = _agent_setup(args, cfg, **overrides)
-    out, episodes = evaluate(tasks, backend, tok, retriever, agent, seed=args.seed)
+    from memopd.tracking import tracked
+
+    with tracked(args.tracking, f"eval-{Path(args.model).name}-{bench}", cfg, stage="eval",
+                 model=Path(args.model).name, seed=args.seed) as run:
+        out, episodes = evaluate(tasks, backend, tok, retriever, agent, seed=args.seed)
+        run.log_metrics({k: v for k, v in out.items() if isinstance(v, (int, float))}, 0)
     out.update(model=args.model, benchmark=args.benchmark, backend=backend.name, config={**cfg, "seed": args.seed})
     out_path = Path(args.out)
     _write_json(out_path, out)
@@ -219,8 +224,15 @@ def cmd_train(args, cfg):
 
     from memopd.train.loop import train_run
 
-    hist = train_run(cfg, args.method, args.seed, args.student, args.teacher, args.tasks, args.index, args.out_dir,
-                     stop_after=args.stop_after)
+    from memopd.tracking import tracked
+
+    with tracked(args.tracking, f"train-{args.method}-seed{args.seed}", cfg, stage="train",
+                 model=f"{args.method}_seed{args.seed}", seed=args.seed) as run:
+        hist = train_run(cfg, args.method, args.seed, args.student, args.teacher, args.tasks, args.index,
+                         args.out_dir, stop_after=args.stop_after,
+                         tracker=lambda m, step: run.log_metrics(
+                             {k: v for k, v in m.items() if isinstance(v, (int, float))}, step))
+        run.log_artifact(Path(args.out_dir) / "metrics.jsonl")
     if args.export and (Path(args.out_dir) / "model").exists():  # the final policy, evaluated like any model
         shutil.copytree(Path(args.out_dir) / "model", args.export, dirs_exist_ok=True)
     if hist:
@@ -250,6 +262,21 @@ def cmd_report_results(args, cfg):
     write_table(table_rows(scores, methods, q2, METRICS["matched_control"]), Path(args.out_dir) / "matched_control.csv",
                 caption.format("Matched control on Q2 (teacher on the exact state vs on the persistent history)"))
     horizon_figure(multi, args.figure)
+
+
+def cmd_report_sft(args, cfg):
+    """results/tables/sft_summary.csv: one row per model (student_init, student_sft, teacher_sft)."""
+    from memopd.report.tables import write_table
+
+    rows = []
+    for name, heldout, ev, info in zip(args.names, args.heldout, args.eval, args.info):
+        h, e, i = (json.loads(Path(p).read_text()) for p in (heldout, ev, info))
+        rows.append({"model": name, "params": h["params"], "train_seconds": i.get("sft", {}).get("train_seconds", 0.0),
+                     "heldout_target_loss": h["heldout_target_loss"], "invalid_action_rate": e["invalid_action_rate"],
+                     "em": e["em"], "f1": e["f1"]})
+    bench = Path(args.eval[0]).stem
+    write_table(rows, args.out, f"SFT summary: held-out target loss on the held-out turn examples; EM/F1 and "
+                f"invalid-action rate on {bench} ({json.loads(Path(args.eval[0]).read_text())['episodes']} tasks, greedy)")
 
 
 def cmd_fetch(args, cfg):
@@ -314,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("eval", cmd_eval, "roll the agent out on a benchmark: aggregate JSON + per-episode CSV + episodes")
     agent_args(sp)
+    sp.add_argument("--tracking", help="JSON of the `tracking` config section (uri, experiment); omit: no MLflow")
     sp = add("rce-rollouts", cmd_rce_rollouts, "RCE of real rollouts under every memory-rewrite rule")
     agent_args(sp)
     sp.add_argument("--strict", action="store_true", help="exit non-zero when any rule or backend fails")
@@ -330,12 +358,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out-dir", required=True, help="run directory (metrics.jsonl, checkpoint/, model/)")
     sp.add_argument("--export", help="also copy the final policy here (a model directory)")
     sp.add_argument("--stop-after", type=int, help="stop after N steps of this invocation (resume tests)")
+    sp.add_argument("--tracking", help="JSON of the `tracking` config section (uri, experiment); omit: no MLflow")
 
     report = sub.add_parser("report", help="tables and figures").add_subparsers(dest="report_command", required=True)
     sp = add("results", cmd_report_results, "Tables 1-2 and the matched control from the evaluations", report)
     sp.add_argument("--eval-dir", default="results/eval")
     sp.add_argument("--out-dir", default="results/tables")
     sp.add_argument("--figure", default="results/figures/f1_vs_horizon.png")
+    sp = add("sft", cmd_report_sft, "the SFT summary table", report)
+    sp.add_argument("--names", nargs="+", required=True)
+    sp.add_argument("--heldout", nargs="+", required=True, help="results/sft/heldout_{name}.json, in --names order")
+    sp.add_argument("--eval", nargs="+", required=True, help="results/eval/{name}/q2_test.json, in --names order")
+    sp.add_argument("--info", nargs="+", required=True, help="results/models/{name}/memopd_model.json")
+    sp.add_argument("--out", default="results/tables/sft_summary.csv")
 
     sft = sub.add_parser("sft", help="SFT stage (config section `teacher`)").add_subparsers(dest="sft_command", required=True)
     sp = add("trajectories", cmd_sft_trajectories, "teacher trajectories through the rollout loop: episodes + stats", sft)

@@ -178,3 +178,17 @@ class NullRun:
     def log_dict(self, obj: dict, name: str) -> None: ...
     def log_artifact(self, path, artifact_path=None) -> None: ...
     def flush(self) -> None: ...
+
+
+@contextmanager
+def tracked(tracking_json: str | None, run_name: str, config: dict, stage: str, model: str, seed: int):
+    """A run when the step got `--tracking JSON` (the `tracking` config section), else a NullRun."""
+    if not tracking_json:
+        print("tracking: off (no --tracking given)")
+        yield NullRun()
+        return
+    t = json.loads(tracking_json)
+    uri = resolve_uri(t["uri"])
+    with start_run(uri, t["experiment"], run_name, config, stage=stage, model=model, seed=seed) as run:
+        print(f"tracking: run {run.run_id} in {uri} (experiment {t['experiment']})")
+        yield run

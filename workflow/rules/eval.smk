@@ -13,12 +13,14 @@ rule eval:
         model="results/models/{model}/model.safetensors",
         benchmark="results/benchmarks/{benchmark}.parquet",
         index=RETRIEVAL_INDEX,
+        tracking=TRACKING_STORE,
     output:
         json="results/eval/{model}/{benchmark}.json",
         csv="results/eval/{model}/{benchmark}.csv",
         episodes="results/eval/{model}/{benchmark}.episodes.parquet",
     params:
         memopd=MEMOPD,
+        tracking=cfg_json("tracking"),
         cfg=lambda w: json.dumps({k: config[k] for k in ("agent", "rollout", "eval")}, sort_keys=True),
         seed=config["seed"],
         model=lambda w, input: os.path.dirname(input.model),
@@ -33,7 +35,7 @@ rule eval:
         ENV_GPU
     shell:
         "{params.memopd} eval --cfg {params.cfg:q} --seed {params.seed} --model {params.model} "
-        "--benchmark {input.benchmark} --index {input.index} --out {output.json} > {log} 2>&1"
+        "--benchmark {input.benchmark} --index {input.index} --out {output.json} --tracking {params.tracking:q} > {log} 2>&1"
 
 
 rule eval_all:

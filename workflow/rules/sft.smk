@@ -1,10 +1,9 @@
 # Supervised fine-tuning: turn-level examples from the kept trajectories, SFT of the student and the
 # teacher (resumable: a rerun continues from results/models/{role}_sft/checkpoint), held-out target
 # loss of every model, and the packed-vs-padded SFT benchmark. Every job is an MLflow run.
-# Not in `rule all` yet: results/sft/trajectories.parquet comes from the trajectory step.
 
 # which teacher played the trajectories: a column of results/tables/sft_data_stats.csv
-TRAJECTORY_TEACHER = {"embedded": "scripted", "paper": "llm"}[config["scale"]]
+TRAJECTORY_TEACHER = config["teacher"]["kind"]
 SFT_SRC = src("records", "packing", "attention", "models", "tracking", "cli", "sft/data", "sft/loss",
               "sft/segmented", "sft/checkpoint", "sft/trainer", "sft/commands")
 
@@ -131,3 +130,33 @@ rule bench_sft:
         "{params.memopd} bench sft --cfg {params.cfg:q} --tracking {params.tracking:q} --seed {params.seed} "
         "--threads {threads} --model {params.modeldir} --data-dir {input.data} --examples 2000 "
         "--out {output} > {log} 2>&1"
+
+
+SFT_MODELS = ["student_init", "student_sft", "teacher_sft"]
+
+
+rule sft_summary:
+    input:
+        src("report/tables", "cli"),
+        heldout=expand("results/sft/heldout_{name}.json", name=SFT_MODELS),
+        evals=expand("results/eval/{name}/q2_test.json", name=SFT_MODELS),
+        info=expand("results/models/{name}/model.safetensors", name=SFT_MODELS),
+    output:
+        csv="results/tables/sft_summary.csv",
+        md="results/tables/sft_summary.md",
+    params:
+        memopd=MEMOPD,
+        names=SFT_MODELS,
+        info=lambda w, input: [os.path.join(os.path.dirname(p), "memopd_model.json") for p in input.info],
+    log:
+        f"{LOGS}/sft_summary.log",
+    benchmark:
+        f"{LOGS}/bench/sft_summary.tsv"
+    threads: job_threads("sft_summary")
+    resources:
+        **job_resources("sft_summary"),
+    conda:
+        ENV_CPU
+    shell:
+        "{params.memopd} report sft --names {params.names} --heldout {input.heldout} --eval {input.evals} "
+        "--info {params.info} --out {output.csv} > {log} 2>&1"

@@ -13,6 +13,7 @@ rule train:
         teacher=f"results/models/{TRAIN['teacher']}/model.safetensors",
         tasks=f"results/benchmarks/{TRAIN['benchmark']}.parquet",
         index=RETRIEVAL_INDEX,
+        tracking=TRACKING_STORE,
     output:
         metrics="results/train/{method}/seed{seed}/metrics.jsonl",
         model="results/models/{method}_seed{seed}/model.safetensors",
@@ -21,6 +22,7 @@ rule train:
         seed=r"\d+",
     params:
         memopd=MEMOPD,
+        tracking=cfg_json("tracking"),
         cfg=lambda w: json.dumps({k: config[k] for k in ("train", "agent", "rollout")}, sort_keys=True),
         student=lambda w, input: os.path.dirname(input.student),
         teacher=lambda w, input: os.path.dirname(input.teacher),
@@ -38,7 +40,7 @@ rule train:
     shell:
         "{params.memopd} train --cfg {params.cfg:q} --method {wildcards.method} --seed {wildcards.seed} "
         "--student {params.student} --teacher {params.teacher} --tasks {input.tasks} --index {input.index} "
-        "--out-dir {params.run_dir} --export {params.export} > {log} 2>&1"
+        "--out-dir {params.run_dir} --export {params.export} --tracking {params.tracking:q} > {log} 2>&1"
 
 
 rule results_tables:

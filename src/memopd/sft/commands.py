@@ -20,17 +20,12 @@ def _write_json(path, obj):
 
 @contextmanager
 def _tracked(args, run_name: str, config: dict, stage: str, model: str, enabled: bool = True):
-    from memopd.tracking import NullRun, resolve_uri, start_run
+    from memopd.tracking import NullRun, tracked
 
-    if not args.tracking or not enabled:
-        if enabled:
-            print("tracking: off (no --tracking given)")
+    if not enabled:
         yield NullRun()
         return
-    t = json.loads(args.tracking)
-    uri = resolve_uri(t["uri"])
-    with start_run(uri, t["experiment"], run_name, config, stage=stage, model=model, seed=args.seed) as run:
-        print(f"tracking: run {run.run_id} in {uri} (experiment {t['experiment']})")
+    with tracked(args.tracking, run_name, config, stage, model, args.seed) as run:
         yield run
 
 
