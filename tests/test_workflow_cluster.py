@@ -14,8 +14,10 @@ from workflow_helpers import REPO, dry_run_jobs, rule_kinds, snakemake, workflow
 
 # Jobs of `all` per rule. Paper scale: pretrained models bring their tokenizer, so no tokenizer job.
 # A rule added to the DAG gets its count here (the resource checks below already cover it).
-PAPER_JOBS = {"model_init": 2, "rce_smoke": 1, "all": 1}
-EMBEDDED_JOBS = {"tokenizer": 1, "model_init": 2, "rce_smoke": 1, "all": 1}
+# 5 seeds x 3 methods of training; evaluations: (3 SFT-stage models + 15 trained) x 4 benchmarks
+PAPER_JOBS = {"model_init": 2, "rce_smoke": 1, "fetch_corpus": 1, "sft_trajectories": 1, "sft_train": 2,
+              "train": 15, "eval": 72, "all": 1}
+EMBEDDED_JOBS = {"tokenizer": 1, "model_init": 2, "rce_smoke": 1, "sft_train": 2, "train": 15, "eval": 72, "all": 1}
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +57,8 @@ def test_paper_jobs_request_resources_and_gpu_steps_request_gpus(paper_dry_run):
             assert res.get("gpu", 0) >= 1, f"GPU step without GPUs at paper scale: {where}"
         else:
             assert not res.get("gpu") and "gpu_model" not in res, f"CPU step asks for GPUs: {where}"
-    # Today's GPU step; the check above covers those added later.
-    assert any(j["rule"] == "rce_smoke" and j["resources"]["gpu"] >= 1 for j in jobs)
+    for rule in ("rce_smoke", "train", "eval", "sft_train"):
+        assert all(j["resources"]["gpu"] >= 1 for j in jobs if j["rule"] == rule), rule
 
 
 def test_every_rule_declares_its_kind():

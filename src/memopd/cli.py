@@ -372,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--info", nargs="+", required=True, help="results/models/{name}/memopd_model.json")
     sp.add_argument("--out", default="results/tables/sft_summary.csv")
 
-    sft = sub.add_parser("sft", help="SFT stage (config section `teacher`)").add_subparsers(dest="sft_command", required=True)
+    sft = sub.add_parser("sft", help="SFT stage: trajectories, examples, training").add_subparsers(
+        dest="sft_command", required=True)
     sp = add("trajectories", cmd_sft_trajectories, "teacher trajectories through the rollout loop: episodes + stats", sft)
     sp.add_argument("--benchmark", nargs="+", default=["results/benchmarks/q2_train.parquet"],
                     help="benchmark parquet file(s) (default: the Q2 train set)")
@@ -422,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from memopd.sft.commands import register  # `sft ...`, `tracking init`, `bench sft`
 
-    register(sub, add, bench)
+    register(sub, add, bench, sft)
     return p
 
 

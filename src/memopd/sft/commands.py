@@ -163,7 +163,7 @@ def cmd_bench_sft(args, cfg):
             print(f"wrote {args.out}")
 
 
-def register(sub, add, bench) -> None:
+def register(sub, add, bench, sft) -> None:
     """Add the subcommands to memopd's parser (`add(name, fn, help, parent)` adds --cfg and --seed)."""
 
     def tracked(sp):
@@ -178,7 +178,6 @@ def register(sub, add, bench) -> None:
     sp = add("init", cmd_tracking_init, "create the MLflow store and experiment once, before parallel jobs", tr)
     sp.add_argument("--out", required=True, help="JSON record of the store")
 
-    sft = sub.add_parser("sft", help="supervised fine-tuning").add_subparsers(dest="sft_command", required=True)
     sp = tracked(add("examples", cmd_sft_examples, "kept trajectories -> de-duplicated turn-level examples", sft))
     sp.add_argument("--episodes", required=True, help="trajectories (records parquet)")
     sp.add_argument("--teacher", required=True, help="name of the teacher that played them (stats column)")
