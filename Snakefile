@@ -12,9 +12,9 @@ if not workflow.overwrite_configfiles:
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/models.smk"
-include: "workflow/rules/audit.smk"
 include: "workflow/rules/benchmarks.smk"
 include: "workflow/rules/eval.smk"
+include: "workflow/rules/audit.smk"
 
 
 rule all:
@@ -25,3 +25,4 @@ rule all:
         "results/audit/rce_smoke.json",
         rules.benchmarks.output,
         "results/tables/retrieval_recall.csv",
+        AUDIT_TABLES,
