@@ -58,7 +58,8 @@ def run(tmp_path_factory):
     try:
         main(["audit", "rollouts", *agent, "--out", str(d / "episodes.parquet")])
         for rule in RULES:
-            main(["audit", "rollouts", *agent, "--rule", rule, "--limit", "2", "--out", str(d / f"episodes_{rule}.parquet")])
+            main(["audit", "rollouts", *agent, "--rule", rule, "--limit", "2",
+                  "--out", str(d / f"episodes_{rule}.parquet")])
     finally:
         mp.undo()
     cfg = ["--cfg", json.dumps(AUDIT)]

@@ -29,8 +29,8 @@ rule rce_smoke:
 # the `audit` config section; the captions name them.
 
 AUDIT = config["audit"]
-AUDIT_SRC = src("audit/__init__", "audit/steps", "audit/alignment", "report/tables", "records", "packing",
-                "attention", "rce", "models", "cli")
+AUDIT_STEPS_SRC = src("audit/__init__", "audit/steps", "report/tables", "records", "models", "cli")
+AUDIT_SRC = AUDIT_STEPS_SRC + src("audit/alignment", "packing", "attention", "rce")
 AUDIT_MODEL = f"results/models/{AUDIT['model']}/model.safetensors"
 AUDIT_EPISODES = "results/audit/episodes.parquet"
 AUDIT_RULES = ["full_retention", "suffix_retention", "summary_replacement", "sliding_window", "retrieval_refresh"]
@@ -44,7 +44,7 @@ AUDIT_ROLLOUT_CFG = json.dumps({k: config[k] for k in ("agent", "rollout", "audi
 rule audit_episodes:
     input:
         AGENT_SRC,
-        AUDIT_SRC,
+        AUDIT_STEPS_SRC,
         model=AUDIT_MODEL,
         benchmark=f"results/benchmarks/{AUDIT['benchmark']}.parquet",
         index=RETRIEVAL_INDEX,

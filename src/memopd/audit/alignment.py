@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from memopd.attention import independent_logits, packed_logits, token_logprobs
+from memopd.attention import independent_logits, packed_logits
 from memopd.packing import PREFIX, corrupt, flatten_persistent, pack
 from memopd.rce import TOLERANCES
 from memopd.records import Episode

@@ -127,7 +127,8 @@ def measure(model, episodes: list[Episode], backends, repeats: int, kind: str = 
                          "token_ratio": round(R, 4), "flop_ratio": round(fr, 4), "path": name, "pass": pass_name,
                          "seconds": t, "speedup_vs_batched": base / t, "rce_max_abs_dlogp": err})
         fb = f"{t_fb:8.4f} {base_b / t_fb:5.2f}x" if t_fb else f"{'n/a':>8} {'':>6}"
-        log(f"{kind:<9} {T:>3} {P:>6} {R:5.2f} {fr:5.2f}  {name:<24} {t_fwd:8.4f} {base_f / t_fwd:5.2f}x {fb}  {err:14.2e}")
+        log(f"{kind:<9} {T:>3} {P:>6} {R:5.2f} {fr:5.2f}  {name:<24} {t_fwd:8.4f} {base_f / t_fwd:5.2f}x {fb}  "
+            f"{err:14.2e}")
     return rows
 
 
