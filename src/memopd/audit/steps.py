@@ -107,6 +107,15 @@ def _load(model_dir: str, dtype: str):
     return load_model(model_dir, dtype=dtype, device=_device())
 
 
+def _flex_note(backends) -> str:
+    """What `flex` means where it ran: on CPU it is compiled per sequence length up to torch's recompile
+    limit, then runs unfused (same BlockMask semantics), and has no backward."""
+    if "flex" not in backends or torch.cuda.is_available():
+        return ""
+    return ("; flex on CPU: compiled per sequence length up to torch's recompile limit, unfused "
+            "flex_attention (same BlockMask) beyond it, forward only")
+
+
 def _orders(x: float, tol: float) -> str:
     return f"{math.log10(x / tol):.1f}" if x > 0 else "-inf"
 
@@ -137,8 +146,8 @@ def alignment_step(cfg: dict, model_dir: str, episodes_path: str, out: str) -> l
     caption = (f"Alignment audit: |d log p| of the sampled action tokens vs each call run alone "
                f"(p99, max, mean over tokens), top-1 changes at action positions, false PPO clip rate "
                f"(ratio outside [1-{cfg['clip']}, 1+{cfg['clip']}] with identical weights). Model {meta['model']} "
-               f"scored in {cfg['dtype']} on {_device()} (packed rows: backend named; persistent history, "
-               f"references: sdpa); episodes: {describe(meta)}.")
+               f"scored in {cfg['dtype']} on {_device()} (packed rows: backend named{_flex_note(cfg['backends'])}; "
+               f"persistent history and references: sdpa); episodes: {describe(meta)}.")
     write_table(rows, out, caption, notes=notes)
     return rows
 
@@ -277,7 +286,8 @@ def context_updates_step(cfg: dict, model_dir: str, episode_paths: list[str], ou
              f"{max(x['max_abs_dlogp'] for x in rows):.2e}."]
     m = metas[0]
     caption = (f"Context updates: RCE (packed vs each call run alone) per memory-rewrite rule and backend. Model "
-               f"{Path(model_dir).name} scored in {cfg['dtype']} on {_device()}; per rule: "
+               f"{Path(model_dir).name} scored in {cfg['dtype']} on {_device()}{_flex_note(cfg['backends'])}; "
+               f"per rule: "
                f"{m['episodes']} {m['benchmark']} trajectories rolled out by {m['model']} (invalid_action "
                f"{m.get('invalid_action', '?')}, temperature {m.get('temperature', '?')}, max_new_tokens "
                f"{m.get('max_new_tokens', '?')}, seed {m.get('seed', '?')}); memory_updates = calls whose context "
@@ -312,7 +322,7 @@ def packing_step(cfg: dict, model_dir: str, episodes_path: str, out: str, figure
     caption = (f"Packing efficiency: median seconds of {pk['repeats']} timed repeat(s) after a warm-up, speedup vs "
                f"independent calls batched with padding, token ratio R = independent tokens / packed tokens, FLOP "
                f"ratio, and each path's RCE error (max |d log p| vs calls run one by one). float32 on {_device()}, "
-               f"{torch.get_num_threads()} torch thread(s); flex forward+backward only on GPU. Synthetic: {sweep}, "
+               f"{torch.get_num_threads()} torch thread(s){_flex_note(backends)}. Synthetic: {sweep}, "
                f"full-retention episodes of {syn['episodes']} episode(s), ~{syn['observation_tokens']}+"
                f"{syn['response_tokens']} context and {syn['response_tokens']} response tokens per call, tiny Qwen2 "
                f"(hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, vocab {m['vocab_size']}). Real: the "
