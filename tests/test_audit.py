@@ -53,3 +53,33 @@ def test_tables_are_written_as_csv_and_markdown(tmp_path):
     assert markdown(rows, "c").startswith("*c*")
     with pytest.raises(ValueError):
         write_table([], tmp_path / "e.csv", "x")
+
+
+def test_domain_masks_nest_and_the_response_mask_adds_exactly_the_retained_copies(episodes):
+    from memopd.audit.alignment import domain_masks
+
+    for ep in episodes:
+        m = domain_masks(ep)
+        exact, resp, traj = m["exact_action_mask"], m["response_mask"], m["trajectory_mask"]
+        assert not (exact & ~resp).any() and not (resp & ~traj).any()
+        assert int((resp & ~exact).sum()) == sum(r.length for inv in ep.invocations for r in inv.retained) > 0
+        assert int(traj.sum()) == sum(len(i.input_ids) - ep.prefix_len + len(i.output_ids) for i in ep.invocations)
+    rows = {r["mask"]: r for r in action_domain(episodes)}
+    assert all(r["contains_exact"] for r in rows.values()) and rows["exact_action_mask"]["x_exact"] == 1
+
+
+def test_packing_sweep_on_real_shaped_episodes_cut_to_t_calls(tiny_lm, episodes):
+    from memopd.audit.packing_bench import run_real, truncate
+
+    assert len(truncate(episodes[0], 2).invocations) == 2
+    rows = run_real(tiny_lm, episodes, calls=[2, None], n_episodes=2, backends=["sdpa", "prefix_shared"],
+                    repeats=1, log=lambda *a: None)
+    assert {r["calls"] for r in rows} == {2, 4} and {r["episodes"] for r in rows} == {"real"}
+    assert all(r["rce_max_abs_dlogp"] <= 1e-5 and r["token_ratio"] > 1 for r in rows)
+    assert {r["path"] for r in rows} == {"independent_sequential", "independent_batched", "packed_sdpa",
+                                         "packed_prefix_shared"}
+
+
+def test_markdown_notes_follow_the_table():
+    md = markdown([{"a": 1}], "cap", notes=["Finding: x."])
+    assert md.splitlines()[0] == "*cap*" and md.rstrip().endswith("Finding: x.")

@@ -304,6 +304,70 @@ def cmd_sft_trajectories(args, cfg):
           f"would keep {kept} -> {args.out}")
 
 
+def _audit_threads(args):
+    """Torch CPU threads of an audit step (the rule passes its Snakemake `threads`): on shared CPUs several
+    OpenMP threads per process spin against the other jobs."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
+def cmd_audit_rollouts(args, cfg):
+    from memopd.audit.steps import rollout_step
+
+    _audit_threads(args)
+    rollout_step(cfg, args.model, args.benchmark, args.index, args.out, args.seed, rule=args.rule, limit=args.limit)
+
+
+def cmd_audit_alignment(args, cfg):
+    from memopd.audit.steps import alignment_step
+
+    _audit_threads(args)
+    rows = alignment_step(cfg, args.model, args.episodes, args.out)
+    _print_rows(rows, args.out)
+
+
+def cmd_audit_state_corruption(args, cfg):
+    from memopd.audit.steps import state_corruption_step
+
+    _audit_threads(args)
+    _print_rows(state_corruption_step(cfg, args.model, args.episodes, args.out), args.out)
+
+
+def cmd_audit_teacher_divergence(args, cfg):
+    from memopd.audit.steps import teacher_divergence_step
+
+    _audit_threads(args)
+    _print_rows(teacher_divergence_step(cfg, args.teacher, args.episodes, args.out, args.figure), args.out)
+
+
+def cmd_audit_action_domain(args, cfg):
+    from memopd.audit.steps import action_domain_step
+
+    _print_rows(action_domain_step(cfg, args.episodes, args.out), args.out)
+
+
+def cmd_audit_context_updates(args, cfg):
+    from memopd.audit.steps import context_updates_step
+
+    _audit_threads(args)
+    _print_rows(context_updates_step(cfg, args.model, args.episodes, args.out), args.out)
+
+
+def cmd_audit_packing(args, cfg):
+    from memopd.audit.steps import packing_step
+
+    _audit_threads(args)
+    rows = packing_step(cfg, args.model, args.episodes, args.out, args.figure, seed=args.seed)
+    print(f"{len(rows)} rows -> {args.out}")
+
+
+def _print_rows(rows, out):
+    print(Path(out).with_suffix(".md").read_text())
+    print(f"{len(rows)} rows -> {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memopd", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -383,6 +447,40 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="results/sft/trajectories.parquet")
     sp.add_argument("--stats", default="results/sft/trajectories_stats.json")
     sp.add_argument("--server-log", help="log of the vLLM server the llm teacher starts (default: beside --stats)")
+
+    audit = sub.add_parser("audit", help="alignment audits and ablation tables (config section `audit`)")
+    audit = audit.add_subparsers(dest="audit_command", required=True)
+    sp = add("rollouts", cmd_audit_rollouts, "roll out the audit episodes once (parquet + provenance JSON); "
+             "--cfg holds the agent, rollout and audit sections", audit)
+    agent_args(sp)
+    sp.add_argument("--rule", help="memory-rewrite rule (default: audit.rule, else agent.rule)")
+    sp.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+
+    def table_args(sp, model=True, figure=False, episodes_nargs=None):
+        sp.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+        if model:
+            sp.add_argument("--model", required=True, help="model directory that scores the episodes")
+        sp.add_argument("--episodes", required=True, nargs=episodes_nargs,
+                        help="episodes parquet (results/audit/episodes.parquet)")
+        sp.add_argument("--out", required=True, help="CSV table (the Markdown table is written beside it)")
+        if figure:
+            sp.add_argument("--figure", required=True, help="PNG figure")
+        return sp
+
+    table_args(add("alignment", cmd_audit_alignment, "Table 3: persistent history, batched and packed vs "
+                   "independent calls", audit))
+    table_args(add("state-corruption", cmd_audit_state_corruption, "exact vs visibility / position / both "
+                   "corruptions", audit))
+    sp = add("teacher-divergence", cmd_audit_teacher_divergence, "the teacher on the flattened vs the exact "
+             "state, by invocation", audit)
+    sp.add_argument("--teacher", required=True, help="teacher model directory")
+    table_args(sp, model=False, figure=True)
+    table_args(add("action-domain", cmd_audit_action_domain, "exact action mask vs response and trajectory "
+                   "masks", audit), model=False)
+    table_args(add("context-updates", cmd_audit_context_updates, "RCE per memory-rewrite rule (one episodes file "
+                   "per rule)", audit), episodes_nargs="+")
+    table_args(add("packing-efficiency", cmd_audit_packing, "packing speedup vs token ratio, real and synthetic "
+                   "episodes", audit), figure=True)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures").add_subparsers(dest="bench_command", required=True)
     sp = add("packing", cmd_bench_packing, "packing benchmark: 9 configurations, every exact path, with RCE", bench)

@@ -28,3 +28,231 @@ rule rce_smoke:
     shell:
         "{params.memopd} rce --cfg {params.cfg:q} --seed {params.seed} --model {params.model} "
         "--device {params.device} --data-dir {params.data} --out {output.json} --strict > {log} 2>&1"
+
+
+# --- Alignment audits and ablation tables (src/memopd/audit/steps.py): the audit episodes are rolled
+# out once; every table and figure is its own target. The model, teacher and episode counts come from
+# the `audit` config section; the captions name them.
+
+AUDIT = config["audit"]
+AUDIT_STEPS_SRC = src("audit/__init__", "audit/steps", "report/tables", "records", "models", "cli")
+AUDIT_SRC = AUDIT_STEPS_SRC + src("audit/alignment", "packing", "attention", "rce")
+AUDIT_MODEL = f"results/models/{AUDIT['model']}/model.safetensors"
+AUDIT_EPISODES = "results/audit/episodes.parquet"
+AUDIT_RULES = ["full_retention", "suffix_retention", "summary_replacement", "sliding_window", "retrieval_refresh"]
+AUDIT_TABLES = [f"results/tables/{t}.{ext}" for t in ("alignment_audit", "state_corruption", "teacher_divergence",
+                "action_domain", "context_updates", "packing_efficiency") for ext in ("csv", "md")] + [
+               "results/figures/teacher_divergence.png", "results/figures/packing_efficiency.png"]
+AUDIT_ROLLOUT_CFG = json.dumps({k: config[k] for k in ("agent", "rollout", "audit")}, sort_keys=True)
+
+
+rule audit_episodes:
+    input:
+        AGENT_SRC,
+        AUDIT_STEPS_SRC,
+        model=AUDIT_MODEL,
+        benchmark=f"results/benchmarks/{AUDIT['benchmark']}.parquet",
+        index=RETRIEVAL_INDEX,
+    output:
+        episodes=AUDIT_EPISODES,
+        meta="results/audit/episodes.json",
+    params:
+        memopd=MEMOPD,
+        cfg=AUDIT_ROLLOUT_CFG,
+        seed=config["seed"],
+        model=lambda w, input: os.path.dirname(input.model),
+        limit=AUDIT["episodes"],
+        rule="",  # audit.rule (else agent.rule)
+    log:
+        f"{LOGS}/audit_episodes.log",
+    benchmark:
+        f"{LOGS}/bench/audit_episodes.tsv"
+    threads: job_threads("audit_episodes")
+    resources:
+        **job_resources("audit_episodes"),
+    conda:
+        ENV_GPU
+    shell:
+        "{params.memopd} audit rollouts --cfg {params.cfg:q} --seed {params.seed} --model {params.model} "
+        "--benchmark {input.benchmark} --index {input.index} --limit {params.limit} {params.rule} --threads {threads} "
+        "--out {output.episodes} > {log} 2>&1"
+
+
+use rule audit_episodes as audit_rule_episodes with:
+    output:
+        episodes="results/audit/episodes_{rule}.parquet",
+        meta="results/audit/episodes_{rule}.json",
+    wildcard_constraints:
+        rule="|".join(AUDIT_RULES),
+    params:
+        cfg=AUDIT_ROLLOUT_CFG,
+        seed=config["seed"],
+        model=lambda w, input: os.path.dirname(input.model),
+        limit=AUDIT["rule_episodes"],
+        rule=lambda w: f"--rule {w.rule}",
+    log:
+        f"{LOGS}/audit_episodes_{{rule}}.log",
+    benchmark:
+        f"{LOGS}/bench/audit_episodes_{{rule}}.tsv"
+
+
+rule audit_alignment:
+    input:
+        AUDIT_SRC,
+        model=AUDIT_MODEL,
+        episodes=AUDIT_EPISODES,
+    output:
+        csv="results/tables/alignment_audit.csv",
+        md="results/tables/alignment_audit.md",
+    params:
+        memopd=MEMOPD,
+        cfg=cfg_json("audit"),
+        model=lambda w, input: os.path.dirname(input.model),
+    log:
+        f"{LOGS}/audit_alignment.log",
+    benchmark:
+        f"{LOGS}/bench/audit_alignment.tsv"
+    threads: job_threads("audit_alignment")
+    resources:
+        **job_resources("audit_alignment"),
+    conda:
+        ENV_GPU
+    shell:
+        "{params.memopd} audit alignment --cfg {params.cfg:q} --model {params.model} --episodes {input.episodes} "
+        "--threads {threads} --out {output.csv} > {log} 2>&1"
+
+
+rule audit_state_corruption:
+    input:
+        AUDIT_SRC,
+        model=AUDIT_MODEL,
+        episodes=AUDIT_EPISODES,
+    output:
+        csv="results/tables/state_corruption.csv",
+        md="results/tables/state_corruption.md",
+    params:
+        memopd=MEMOPD,
+        cfg=cfg_json("audit"),
+        model=lambda w, input: os.path.dirname(input.model),
+    log:
+        f"{LOGS}/audit_state_corruption.log",
+    benchmark:
+        f"{LOGS}/bench/audit_state_corruption.tsv"
+    threads: job_threads("audit_state_corruption")
+    resources:
+        **job_resources("audit_state_corruption"),
+    conda:
+        ENV_GPU
+    shell:
+        "{params.memopd} audit state-corruption --cfg {params.cfg:q} --model {params.model} --episodes {input.episodes} "
+        "--threads {threads} --out {output.csv} > {log} 2>&1"
+
+
+rule audit_teacher_divergence:
+    input:
+        AUDIT_SRC,
+        teacher=f"results/models/{AUDIT['teacher']}/model.safetensors",
+        episodes=AUDIT_EPISODES,
+    output:
+        csv="results/tables/teacher_divergence.csv",
+        md="results/tables/teacher_divergence.md",
+        figure="results/figures/teacher_divergence.png",
+    params:
+        memopd=MEMOPD,
+        cfg=cfg_json("audit"),
+        teacher=lambda w, input: os.path.dirname(input.teacher),
+    log:
+        f"{LOGS}/audit_teacher_divergence.log",
+    benchmark:
+        f"{LOGS}/bench/audit_teacher_divergence.tsv"
+    threads: job_threads("audit_teacher_divergence")
+    resources:
+        **job_resources("audit_teacher_divergence"),
+    conda:
+        ENV_GPU
+    shell:
+        "{params.memopd} audit teacher-divergence --cfg {params.cfg:q} --teacher {params.teacher} "
+        "--episodes {input.episodes} --threads {threads} --out {output.csv} --figure {output.figure} > {log} 2>&1"
+
+
+rule audit_action_domain:
+    input:
+        AUDIT_SRC,
+        episodes=AUDIT_EPISODES,
+    output:
+        csv="results/tables/action_domain.csv",
+        md="results/tables/action_domain.md",
+    params:
+        memopd=MEMOPD,
+        cfg=cfg_json("audit"),
+    log:
+        f"{LOGS}/audit_action_domain.log",
+    benchmark:
+        f"{LOGS}/bench/audit_action_domain.tsv"
+    threads: job_threads("audit_action_domain")
+    resources:
+        **job_resources("audit_action_domain"),
+    conda:
+        ENV_CPU
+    shell:
+        "{params.memopd} audit action-domain --cfg {params.cfg:q} --episodes {input.episodes} --out {output.csv} > {log} 2>&1"
+
+
+rule audit_context_updates:
+    input:
+        AUDIT_SRC,
+        model=AUDIT_MODEL,
+        episodes=expand("results/audit/episodes_{rule}.parquet", rule=AUDIT_RULES),
+    output:
+        csv="results/tables/context_updates.csv",
+        md="results/tables/context_updates.md",
+    params:
+        memopd=MEMOPD,
+        cfg=cfg_json("audit"),
+        model=lambda w, input: os.path.dirname(input.model),
+    log:
+        f"{LOGS}/audit_context_updates.log",
+    benchmark:
+        f"{LOGS}/bench/audit_context_updates.tsv"
+    threads: job_threads("audit_context_updates")
+    resources:
+        **job_resources("audit_context_updates"),
+    conda:
+        ENV_GPU
+    shell:
+        "{params.memopd} audit context-updates --cfg {params.cfg:q} --model {params.model} --episodes {input.episodes} "
+        "--threads {threads} --out {output.csv} > {log} 2>&1"
+
+
+rule audit_packing_efficiency:
+    input:
+        AUDIT_SRC,
+        src("audit/packing_bench", "synthetic"),
+        model=AUDIT_MODEL,
+        episodes=AUDIT_EPISODES,
+    output:
+        csv="results/tables/packing_efficiency.csv",
+        md="results/tables/packing_efficiency.md",
+        figure="results/figures/packing_efficiency.png",
+    params:
+        memopd=MEMOPD,
+        cfg=cfg_json("audit"),
+        model=lambda w, input: os.path.dirname(input.model),
+        seed=config["seed"],
+    log:
+        f"{LOGS}/audit_packing_efficiency.log",
+    benchmark:
+        f"{LOGS}/bench/audit_packing_efficiency.tsv"
+    threads: job_threads("audit_packing_efficiency")
+    resources:
+        **job_resources("audit_packing_efficiency"),
+    conda:
+        ENV_GPU
+    shell:
+        "{params.memopd} audit packing-efficiency --cfg {params.cfg:q} --seed {params.seed} --model {params.model} "
+        "--episodes {input.episodes} --threads {threads} --out {output.csv} --figure {output.figure} > {log} 2>&1"
+
+
+rule audit_all:
+    input:
+        AUDIT_TABLES,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from memopd.attention import independent_logits, packed_logits, token_logprobs
-from memopd.packing import corrupt, flatten_persistent, pack
-from memopd.rce import TOLERANCES, compare
+from memopd.attention import independent_logits, packed_logits
+from memopd.packing import PREFIX, corrupt, flatten_persistent, pack
+from memopd.rce import TOLERANCES
 from memopd.records import Episode
 
 STATES = {
@@ -37,47 +37,68 @@ def _targets(episodes):
     return torch.tensor([t for ep in episodes for inv in ep.invocations for t in inv.output_ids])
 
 
+def _chunks(episodes, size):
+    return [episodes[i : i + size] for i in range(0, len(episodes), size)]
+
+
 @torch.no_grad()
-def state_rows(model, episodes: list[Episode], states: list[str], clip: float = 0.2, dtype: str = "float32") -> list[dict]:
-    """One row per state: |d log p| of sampled tokens vs independent calls, top-1 changes, and the false
-    PPO clip rate (share of actions whose ratio exp(l_state - l_independent) leaves [1-clip, 1+clip]
-    although the weights are identical)."""
-    ref = independent_logits(model, episodes)
-    targets = _targets(episodes)
-    ref_lp = token_logprobs(ref, targets)
+def state_rows(model, episodes: list[Episode], states: list[str], clip: float = 0.2, dtype: str = "float32",
+               chunk: int = 8) -> list[dict]:
+    """One row per state: |d log p| of sampled tokens vs independent calls (p99, max, mean), top-1 changes,
+    and the false PPO clip rate (share of actions whose ratio exp(l_state - l_independent) leaves
+    [1-clip, 1+clip] although the weights are identical). Episodes go `chunk` at a time (the batched
+    reference pads each chunk's calls together), so memory stays bounded on many trajectories."""
+    dlp = {s: [] for s in states}
+    top1 = {s: 0 for s in states}
+    for eps in _chunks(episodes, chunk):
+        ref = independent_logits(model, eps).double()
+        targets = _targets(eps).to(ref.device)
+        ref_lp = torch.log_softmax(ref, -1).gather(-1, targets[:, None]).squeeze(-1)
+        ref_top = ref.argmax(-1)
+        for state in states:
+            logits = _state_logits(model, eps, state).double()
+            lp = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+            dlp[state].append((lp - ref_lp).cpu())
+            top1[state] += int((logits.argmax(-1) != ref_top).sum())
     rows = []
     for state in states:
-        logits = _state_logits(model, episodes, state)
-        c = compare(ref, logits, targets)
-        ratio = torch.exp(token_logprobs(logits, targets).double() - ref_lp.double())
+        d = torch.cat(dlp[state])
+        a = d.abs()
+        ratio = torch.exp(d)
         rows.append({
             "state": state,
-            "p99_abs_dlogp": c["p99_abs_dlogp"],
-            "max_abs_dlogp": c["max_abs_dlogp"],
-            "top1_changes": int(round((1 - c["top1_agreement"]) * c["action_tokens"])),
+            "p99_abs_dlogp": torch.quantile(a, 0.99).item(),
+            "max_abs_dlogp": a.max().item(),
+            "mean_abs_dlogp": a.mean().item(),
+            "top1_changes": top1[state],
             "false_clip_rate": ((ratio < 1 - clip) | (ratio > 1 + clip)).double().mean().item(),
-            "at_floor": c["max_abs_dlogp"] <= TOLERANCES[dtype],
+            "at_floor": a.max().item() <= TOLERANCES[dtype],
             "trajectories": len(episodes),
             "invocations": sum(len(ep.invocations) for ep in episodes),
-            "action_tokens": c["action_tokens"],
+            "action_tokens": int(a.numel()),
         })
     return rows
 
 
 def first_update_call(ep: Episode) -> int | None:
-    """Index of the first call whose context was rewritten from an earlier response (None: never)."""
-    return next((t for t, inv in enumerate(ep.invocations) if inv.retained), None)
+    """Index of the first call after a memory update (None: a single-call episode). Every call t >= 1
+    runs on a rewritten context (prefix + memory + newest observation, never the accumulated transcript),
+    whether or not the memory kept tokens of an earlier response, so the persistent flattening and the
+    exact state coincide at call 0 only."""
+    return 1 if len(ep.invocations) > 1 else None
 
 
 @torch.no_grad()
 def teacher_divergence(teacher, episodes: list[Episode]) -> list[dict]:
     """Teacher distributions on the persistent flattening vs the exact state, at the sampled action
-    tokens, by invocation index, plus before/after the first memory update."""
-    recs = []  # (call index, after first update?, top1 same, |dlogp|, KL) per action token
-    for ep in episodes:
+    tokens: one row per invocation index, then before / after the first memory update (calls before
+    the first rewrite see the same tokens in both layouts, so they differ only by numerical noise).
+    mean_kl is KL(teacher on the exact state || teacher on the flattening), per action token, in nats."""
+    recs = []  # (episode, call index, after first update?, top1 same, |dlogp|, KL) per action token
+    for e, ep in enumerate(episodes):
         exact, flat = pack(ep), flatten_persistent(ep)
         le, lf = packed_logits(teacher, exact, "sdpa").double(), packed_logits(teacher, flat, "sdpa").double()
-        targets = exact.targets
+        targets = exact.targets.to(le.device)
         lpe, lpf = torch.log_softmax(le, -1), torch.log_softmax(lf, -1)
         kl = (lpe.exp() * (lpe - lpf)).sum(-1)
         dlp = (lpe.gather(-1, targets[:, None]) - lpf.gather(-1, targets[:, None])).abs().squeeze(-1)
@@ -86,40 +107,65 @@ def teacher_divergence(teacher, episodes: list[Episode]) -> list[dict]:
         fu = first_update_call(ep)
         for j in range(targets.numel()):
             t = int(calls[j])
-            recs.append((t, fu is not None and t >= fu, bool(same[j]), float(dlp[j]), float(kl[j])))
+            recs.append((e, t, fu is not None and t >= fu, bool(same[j]), float(dlp[j]), float(kl[j])))
 
     def row(name, sel):
         if not sel:
             return None
-        d = torch.tensor([r[3] for r in sel], dtype=torch.float64)
-        return {"invocation": name, "action_tokens": len(sel),
-                "top1_agreement": sum(r[2] for r in sel) / len(sel),
-                "top1_changes": sum(not r[2] for r in sel),
+        d = torch.tensor([r[4] for r in sel], dtype=torch.float64)
+        return {"invocation": name, "calls": len({(r[0], r[1]) for r in sel}), "action_tokens": len(sel),
+                "top1_agreement": sum(r[3] for r in sel) / len(sel),
+                "top1_changes": sum(not r[3] for r in sel),
                 "p99_abs_dlogp": torch.quantile(d, 0.99).item(),
-                "mean_kl": sum(r[4] for r in sel) / len(sel)}
+                "mean_kl": sum(r[5] for r in sel) / len(sel)}
 
-    rows = [row(str(t), [r for r in recs if r[0] == t]) for t in sorted({r[0] for r in recs})]
-    rows += [row("before_first_update", [r for r in recs if not r[1]]),
-             row("after_first_update", [r for r in recs if r[1]])]
+    rows = [row(str(t), [r for r in recs if r[1] == t]) for t in sorted({r[1] for r in recs})]
+    rows += [row("before_first_update", [r for r in recs if not r[2]]),
+             row("after_first_update", [r for r in recs if r[2]])]
     return [r for r in rows if r is not None]
 
 
+MASKS = ("exact_action_mask", "response_mask", "trajectory_mask")
+
+
+def domain_masks(ep: Episode) -> dict[str, torch.Tensor]:
+    """Boolean masks over the flattened transcript y = [q, x_0, a_0, x_1, a_1, ...] of one episode:
+      exact_action_mask  the sampled occurrence of every a_t (what MemOPD trains on)
+      response_mask      every token of every response occurrence: a_t and its copies retained into
+                         later contexts (from the record's provenance, never by matching ids)
+      trajectory_mask    every non-prefix token of the transcript"""
+    flat = flatten_persistent(ep)
+    copies = torch.zeros(len(flat), dtype=torch.bool)
+    start = ep.prefix_len  # index in y where x_t starts
+    for inv in ep.invocations:
+        for r in inv.retained:
+            j = start + r.dst_start - ep.prefix_len
+            copies[j : j + r.length] = True
+        start += len(inv.input_ids) - ep.prefix_len + len(inv.output_ids)
+    assert start == len(flat)
+    return {"exact_action_mask": flat.act_mask.clone(), "response_mask": flat.act_mask | copies,
+            "trajectory_mask": flat.role != PREFIX}
+
+
 def action_domain(episodes: list[Episode]) -> list[dict]:
-    """Which positions each mask selects on the flattened transcript, and how many are spurious
-    (selected but not a sampled action occurrence)."""
-    n_sel = {"exact_action_mask": 0, "trajectory_mask": 0, "response_mask": 0}
+    """Which positions of the flattened transcripts each mask selects, and how many are spurious
+    (selected but not a sampled action occurrence: a gradient there trains a token the policy did not
+    sample in that state). `contains_exact` checks position by position that the mask selects every
+    sampled action occurrence."""
+    sel = dict.fromkeys(MASKS, 0)
+    contains = dict.fromkeys(MASKS, True)
     n_act = 0
     for ep in episodes:
-        acts = sum(len(inv.output_ids) for inv in ep.invocations)
-        copies = sum(r.length for inv in ep.invocations for r in inv.retained)
-        ctx = sum(len(inv.input_ids) - ep.prefix_len for inv in ep.invocations)
-        n_act += acts
-        n_sel["exact_action_mask"] += acts
-        n_sel["trajectory_mask"] += acts + ctx  # every non-prefix token of the transcript
-        n_sel["response_mask"] += acts + copies  # every response occurrence, retained copies included
-    return [{"mask": m, "selected_positions": s, "sampled_action_positions": n_act,
-             "spurious_positions": s - n_act, "spurious_share": (s - n_act) / s if s else 0.0}
-            for m, s in n_sel.items()]
+        m = domain_masks(ep)
+        exact = m["exact_action_mask"]
+        n_act += int(exact.sum())
+        for k in MASKS:
+            sel[k] += int(m[k].sum())
+            contains[k] &= bool((m[k] | ~exact).all())
+    return [{"mask": k, "selected_positions": sel[k], "sampled_action_positions": n_act,
+             "spurious_positions": sel[k] - n_act, "spurious_share": (sel[k] - n_act) / sel[k] if sel[k] else 0.0,
+             "x_exact": sel[k] / n_act if n_act else 0.0, "contains_exact": contains[k],
+             "trajectories": len(episodes)} for k in MASKS]
 
 
 def context_update_rows(model, episodes_by_rule: dict[str, list[Episode]], backends: list[str],

@@ -86,50 +86,88 @@ def _paths(model, episodes, backends):
     return paths
 
 
+HEADER = (f"{'episodes':<9} {'T':>3} {'prefix':>6} {'R':>5} {'FLOPx':>5}  {'path':<24} {'fwd s':>8} {'fwd x':>6} "
+          f"{'f+b s':>8} {'f+b x':>6}  {'RCE max|dlogp|':>14}")
+
+
+def measure(model, episodes: list[Episode], backends, repeats: int, kind: str = "synthetic", log=print) -> list[dict]:
+    """Time every path on one set of episodes (forward and forward+backward) with its RCE error; one row
+    per (path, pass). T and prefix_tokens are the episodes' means (equal on synthetic episodes)."""
+    T = sum(len(ep.invocations) for ep in episodes) / len(episodes)
+    P = sum(ep.prefix_len for ep in episodes) / len(episodes)
+    T, P = (int(T) if T == int(T) else round(T, 2)), (int(P) if P == int(P) else round(P, 1))
+    n_ind = sum(len(i.input_ids) + len(i.output_ids) for ep in episodes for i in ep.invocations)
+    R = n_ind / sum(len(pack(ep)) for ep in episodes)
+    fr = flop_ratio(episodes, model)
+    paths = _paths(model, episodes, backends)
+    with torch.no_grad():
+        ref = paths["independent_sequential"]()
+    results = {}
+    for name, fn in paths.items():
+        with torch.no_grad():
+            err = (fn() - ref).abs().max().item()
+            t_fwd = _run(fn, repeats)
+        t_fb = None
+        if not (name == "packed_flex" and not torch.cuda.is_available()):  # flex backward: GPU only
+
+            def fwd_bwd(fn=fn):
+                model.zero_grad(set_to_none=True)
+                fn().sum().backward()
+
+            t_fb = _run(fwd_bwd, repeats)
+        results[name] = (t_fwd, t_fb, err)
+    model.zero_grad(set_to_none=True)
+    base_f, base_b, _ = results["independent_batched"]
+    rows = []
+    for name, (t_fwd, t_fb, err) in results.items():
+        for pass_name, t, base in (("forward", t_fwd, base_f), ("forward_backward", t_fb, base_b)):
+            if t is None:
+                continue
+            rows.append({"episodes": kind, "n_episodes": len(episodes), "calls": T, "prefix_tokens": P,
+                         "token_ratio": round(R, 4), "flop_ratio": round(fr, 4), "path": name, "pass": pass_name,
+                         "seconds": t, "speedup_vs_batched": base / t, "rce_max_abs_dlogp": err})
+        fb = f"{t_fb:8.4f} {base_b / t_fb:5.2f}x" if t_fb else f"{'n/a':>8} {'':>6}"
+        log(f"{kind:<9} {T:>3} {P:>6} {R:5.2f} {fr:5.2f}  {name:<24} {t_fwd:8.4f} {base_f / t_fwd:5.2f}x {fb}  "
+            f"{err:14.2e}")
+    return rows
+
+
 def run_sweep(cfg: dict | None = None, seed: int = 0, repeats: int = 3, log=print) -> list[dict]:
+    """The synthetic sweep: calls x prefix_tokens configurations on the benchmark's own tiny model."""
     cfg = {**DEFAULTS, **(cfg or {})}
     model = _model(cfg["model"], seed)
     vocab = cfg["model"]["vocab_size"]
     rows = []
-    header = (f"{'T':>3} {'prefix':>6} {'R':>5} {'FLOPx':>5}  {'path':<24} {'fwd s':>8} {'fwd x':>6} "
-              f"{'f+b s':>8} {'f+b x':>6}  {'RCE max|dlogp|':>14}")
-    log(header)
+    log(HEADER)
     for T in cfg["calls"]:
         for P in cfg["prefix_tokens"]:
             rng = random.Random(seed * 1000 + T * 7 + P)
             pool = [rng.randrange(vocab) for _ in range(8192)]
             episodes = [random_episode(rng, pool, "full_retention", T, P, cfg["observation_tokens"],
                                        cfg["response_tokens"], task_id=f"bench{e}") for e in range(cfg["episodes"])]
-            n_ind = sum(len(i.input_ids) + len(i.output_ids) for ep in episodes for i in ep.invocations)
-            R = n_ind / sum(len(pack(ep)) for ep in episodes)
-            fr = flop_ratio(episodes, model)
-            paths = _paths(model, episodes, cfg["backends"])
-            with torch.no_grad():
-                ref = paths["independent_sequential"]()
-            results = {}
-            for name, fn in paths.items():
-                with torch.no_grad():
-                    err = (fn() - ref).abs().max().item()
-                    t_fwd = _run(fn, repeats)
-                t_fb = None
-                if not (name == "packed_flex" and not torch.cuda.is_available()):  # flex backward: GPU only
+            rows += measure(model, episodes, cfg["backends"], repeats, "synthetic", log)
+    return rows
 
-                    def fwd_bwd(fn=fn):
-                        model.zero_grad(set_to_none=True)
-                        fn().sum().backward()
 
-                    t_fb = _run(fwd_bwd, repeats)
-                results[name] = (t_fwd, t_fb, err)
-            base_f, base_b, _ = results["independent_batched"]
-            for name, (t_fwd, t_fb, err) in results.items():
-                for pass_name, t, base in (("forward", t_fwd, base_f), ("forward_backward", t_fb, base_b)):
-                    if t is None:
-                        continue
-                    rows.append({"calls": T, "prefix_tokens": P, "token_ratio": round(R, 4), "flop_ratio": round(fr, 4),
-                                 "path": name, "pass": pass_name, "seconds": t, "speedup_vs_batched": base / t,
-                                 "rce_max_abs_dlogp": err})
-                fb = f"{t_fb:8.4f} {base_b / t_fb:5.2f}x" if t_fb else f"{'n/a':>8} {'':>6}"
-                log(f"{T:>3} {P:>6} {R:5.2f} {fr:5.2f}  {name:<24} {t_fwd:8.4f} {base_f / t_fwd:5.2f}x {fb}  {err:14.2e}")
+def truncate(ep: Episode, calls: int) -> Episode:
+    """The first `calls` calls of an episode: still a real trajectory prefix (retained spans only point
+    backwards, so every kept call's state is unchanged)."""
+    return Episode(ep.task_id, ep.prefix_len, ep.invocations[:calls], ep.reward, ep.metrics).validate()
+
+
+def run_real(model, episodes: list[Episode], calls=(2, 4, 6), n_episodes: int = 4, backends=DEFAULTS["backends"],
+             repeats: int = 3, log=print) -> list[dict]:
+    """The sweep on recorded rollouts: for each T in `calls`, the first `n_episodes` episodes with at least
+    T calls, cut to their first T calls (T = None: the episodes as recorded), timed under `model`."""
+    rows = []
+    log(HEADER)
+    for T in calls:
+        eps = [ep if T is None else truncate(ep, T) for ep in episodes if T is None or len(ep.invocations) >= T]
+        eps = eps[:n_episodes]
+        if not eps:
+            log(f"real: no episode with >= {T} calls; configuration skipped")
+            continue
+        rows += measure(model, eps, backends, repeats, "real", log)
     return rows
 
 
@@ -137,14 +175,14 @@ def summarize(rows: list[dict]) -> list[str]:
     """Per configuration: the fastest exact packed path vs the targets (fwd >= 0.85 R, f+b >= 0.9 R,
     and > 1.63x wherever R >= 2)."""
     lines = []
-    for T, P in sorted({(r["calls"], r["prefix_tokens"]) for r in rows}):
-        cfg_rows = [r for r in rows if (r["calls"], r["prefix_tokens"]) == (T, P) and r["path"].startswith("packed_")
-                    and r["rce_max_abs_dlogp"] <= 1e-5]
+    for kind, T, P in sorted({(r.get("episodes", "synthetic"), r["calls"], r["prefix_tokens"]) for r in rows}):
+        cfg_rows = [r for r in rows if (r.get("episodes", "synthetic"), r["calls"], r["prefix_tokens"]) == (kind, T, P)
+                    and r["path"].startswith("packed_") and r["rce_max_abs_dlogp"] <= 1e-5]
         R = cfg_rows[0]["token_ratio"]
         best = {p: max((r for r in cfg_rows if r["pass"] == p), key=lambda r: r["speedup_vs_batched"])
                 for p in ("forward", "forward_backward")}
         f, b = best["forward"]["speedup_vs_batched"], best["forward_backward"]["speedup_vs_batched"]
         ok = f >= 0.85 * R and b >= 0.9 * R and (R < 2 or min(f, b) > 1.63)
-        lines.append(f"T={T:>2} prefix={P:>3} R={R:4.2f}: best fwd {f:4.2f}x ({best['forward']['path']}), "
+        lines.append(f"{kind:<9} T={T:>2} prefix={P:>3} R={R:4.2f}: best fwd {f:4.2f}x ({best['forward']['path']}), "
                      f"best f+b {b:4.2f}x ({best['forward_backward']['path']}) -> {'meets' if ok else 'misses'} target")
     return lines

@@ -13,15 +13,20 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def markdown(rows: list[dict], caption: str) -> str:
+def markdown(rows: list[dict], caption: str, notes: list[str] | None = None) -> str:
+    """The caption (italic), the table, then `notes` (e.g. findings), one paragraph each."""
     cols = list(rows[0]) if rows else []
     lines = [f"*{caption}*", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
+    for n in notes or []:
+        lines += ["", n]
     return "\n".join(lines) + "\n"
 
 
-def write_table(rows: list[dict], csv_path: str | Path, caption: str, md_path: str | Path | None = None) -> None:
-    """Write rows to CSV and Markdown (md beside the CSV unless given), atomically."""
+def write_table(rows: list[dict], csv_path: str | Path, caption: str, md_path: str | Path | None = None,
+                notes: list[str] | None = None) -> None:
+    """Write rows to CSV and Markdown (md beside the CSV unless given, with `notes` under the table),
+    atomically."""
     if not rows:
         raise ValueError(f"no rows for {csv_path}")
     csv_path = Path(csv_path)
@@ -34,5 +39,5 @@ def write_table(rows: list[dict], csv_path: str | Path, caption: str, md_path: s
         w.writerows(rows)
     tmp.replace(csv_path)
     tmp = md_path.with_name(md_path.name + ".tmp")
-    tmp.write_text(markdown(rows, caption))
+    tmp.write_text(markdown(rows, caption, notes))
     tmp.replace(md_path)
