@@ -79,4 +79,6 @@ def rule_kinds() -> dict[str, dict]:
             kind = "gpu" if re.search(r"conda:\s*ENV_GPU\b", block) else "cpu" if re.search(r"conda:\s*ENV_CPU\b", block) else None
             command = bool(re.search(r"^\s+(shell|run|script|notebook|wrapper):", block, re.M))
             kinds[name] = {"kind": kind, "command": command}
+        for base, name in re.findall(r"^use rule (\w+) as (\w+)", text, re.M):  # inherits kind and command
+            kinds[name] = kinds[base]
     return kinds
