@@ -43,7 +43,13 @@ AUDIT_RULES = ["full_retention", "suffix_retention", "summary_replacement", "sli
 AUDIT_TABLES = [f"results/tables/{t}.{ext}" for t in ("alignment_audit", "state_corruption", "teacher_divergence",
                 "action_domain", "context_updates", "packing_efficiency") for ext in ("csv", "md")] + [
                "results/figures/teacher_divergence.png", "results/figures/packing_efficiency.png"]
-AUDIT_ROLLOUT_CFG = json.dumps({k: config[k] for k in ("agent", "rollout", "audit")}, sort_keys=True)
+# Each step gets only the config it reads, so changing a knob reruns only the steps it affects.
+AUDIT_ROLLOUT_KEYS = ("model", "benchmark", "episodes", "rule", "rule_episodes", "invalid_action", "temperature",
+                      "max_new_tokens")
+AUDIT_ROLLOUT_CFG = json.dumps({"agent": config["agent"], "rollout": config["rollout"],
+                                "audit": {k: AUDIT[k] for k in AUDIT_ROLLOUT_KEYS if k in AUDIT}}, sort_keys=True)
+AUDIT_TABLE_CFG = json.dumps({k: AUDIT[k] for k in ("dtype", "clip", "backends")}, sort_keys=True)
+AUDIT_PACKING_CFG = json.dumps({k: AUDIT[k] for k in ("backends", "packing")}, sort_keys=True)
 
 
 rule audit_episodes:
@@ -106,7 +112,7 @@ rule audit_alignment:
         md="results/tables/alignment_audit.md",
     params:
         memopd=MEMOPD,
-        cfg=cfg_json("audit"),
+        cfg=AUDIT_TABLE_CFG,
         model=lambda w, input: os.path.dirname(input.model),
     log:
         f"{LOGS}/audit_alignment.log",
@@ -132,7 +138,7 @@ rule audit_state_corruption:
         md="results/tables/state_corruption.md",
     params:
         memopd=MEMOPD,
-        cfg=cfg_json("audit"),
+        cfg=AUDIT_TABLE_CFG,
         model=lambda w, input: os.path.dirname(input.model),
     log:
         f"{LOGS}/audit_state_corruption.log",
@@ -159,7 +165,7 @@ rule audit_teacher_divergence:
         figure="results/figures/teacher_divergence.png",
     params:
         memopd=MEMOPD,
-        cfg=cfg_json("audit"),
+        cfg=AUDIT_TABLE_CFG,
         teacher=lambda w, input: os.path.dirname(input.teacher),
     log:
         f"{LOGS}/audit_teacher_divergence.log",
@@ -184,7 +190,7 @@ rule audit_action_domain:
         md="results/tables/action_domain.md",
     params:
         memopd=MEMOPD,
-        cfg=cfg_json("audit"),
+        cfg=AUDIT_TABLE_CFG,
     log:
         f"{LOGS}/audit_action_domain.log",
     benchmark:
@@ -208,7 +214,7 @@ rule audit_context_updates:
         md="results/tables/context_updates.md",
     params:
         memopd=MEMOPD,
-        cfg=cfg_json("audit"),
+        cfg=AUDIT_TABLE_CFG,
         model=lambda w, input: os.path.dirname(input.model),
     log:
         f"{LOGS}/audit_context_updates.log",
@@ -236,7 +242,7 @@ rule audit_packing_efficiency:
         figure="results/figures/packing_efficiency.png",
     params:
         memopd=MEMOPD,
-        cfg=cfg_json("audit"),
+        cfg=AUDIT_PACKING_CFG,
         model=lambda w, input: os.path.dirname(input.model),
         seed=config["seed"],
     log:
