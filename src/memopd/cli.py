@@ -6,7 +6,6 @@ Snakemake config) and records that configuration in what it writes.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import random
 import sys
@@ -22,14 +21,9 @@ def _write_json(path: str | Path, obj) -> None:
 
 
 def _write_csv(path: str | Path, rows: list[dict]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    tmp.replace(path)
+    from memopd.report.tables import write_csv
+
+    write_csv(path, rows)
 
 
 def cmd_tokenizer(args, cfg):

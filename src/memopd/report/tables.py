@@ -23,6 +23,21 @@ def markdown(rows: list[dict], caption: str, notes: list[str] | None = None) -> 
     return "\n".join(lines) + "\n"
 
 
+def write_csv(path: str | Path, rows: list[dict], columns=None) -> None:
+    """Rows to CSV (columns: the first row's keys unless given), atomically: no partial file on failure."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(columns or rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_table(rows: list[dict], csv_path: str | Path, caption: str, md_path: str | Path | None = None,
                 notes: list[str] | None = None) -> None:
     """Write rows to CSV and Markdown (md beside the CSV unless given, with `notes` under the table),
@@ -31,13 +46,7 @@ def write_table(rows: list[dict], csv_path: str | Path, caption: str, md_path: s
         raise ValueError(f"no rows for {csv_path}")
     csv_path = Path(csv_path)
     md_path = Path(md_path) if md_path else csv_path.with_suffix(".md")
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = csv_path.with_name(csv_path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    tmp.replace(csv_path)
+    write_csv(csv_path, rows)
     tmp = md_path.with_name(md_path.name + ".tmp")
     tmp.write_text(markdown(rows, caption, notes))
     tmp.replace(md_path)

@@ -2,7 +2,6 @@
 section of the config."""
 from __future__ import annotations
 
-import csv
 import json
 import time
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 from memopd.retrieval import format_passages, load_retriever
 from memopd.retrieval.corpus import build_corpus, read_corpus
 from memopd.retrieval.recall import RECALL_COLUMNS, recall_rows, sample_questions, time_queries
+from memopd.report.tables import write_csv
 
 BACKENDS = ("bm25", "e5")
 
@@ -55,8 +55,8 @@ def recall_step(cfg: dict, index_dir: str | Path, data_dir: str | Path, seed: in
     trow = {"backend": meta["backend"], "passages": meta["passages"], "build_seconds": round(meta["build_seconds"], 3),
             "load_seconds": round(load_s, 3), "queries": timing["queries"], "k": timing["k"],
             "query_seconds": round(timing["seconds"], 3), "queries_per_second": round(timing["queries_per_second"], 1)}
-    _write_csv(out, rows, RECALL_COLUMNS)
-    _write_csv(timing_out, [trow], list(trow))
+    write_csv(out, rows, RECALL_COLUMNS)
+    write_csv(timing_out, [trow], list(trow))
     for r in rows:
         print(f"{r['dataset']:8s} {r['metric']:20s} @{r['k']:<3d} {r['hits']}/{r['total']}")
     print(f"{meta['backend']}: {meta['passages']:,} passages, build {trow['build_seconds']} s, "
@@ -70,17 +70,3 @@ def search_step(index_dir: str | Path, queries: list[str], k: int) -> None:
         print(f"# {q}")
         print(format_passages(hits) or "(no hits)")
         print("scores: " + ", ".join(f"{h.id}={h.score:.2f}" for h in hits))
-
-
-def _write_csv(path: str | Path, rows: list[dict], columns) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(columns))
-            w.writeheader()
-            w.writerows(rows)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
