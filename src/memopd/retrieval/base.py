@@ -35,3 +35,27 @@ def format_passages(hits: Sequence[Hit]) -> str:
     if not hits:
         return "No results."
     return "\n".join(f"Doc {i} (Title: {h.title}) {h.text}" for i, h in enumerate(hits, 1))
+
+
+def write_index_dir(out_dir, write_backend, ids, titles, texts, meta: dict) -> None:
+    """An index directory, written atomically (a temporary directory renamed into place): the backend's
+    own files (`write_backend(tmp_dir)`), passages.parquet and meta.json. Shared by every backend."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_backend(tmp)
+        pq.write_table(pa.table({"id": ids, "title": titles, "text": texts}), tmp / "passages.parquet")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

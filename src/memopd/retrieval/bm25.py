@@ -11,14 +11,13 @@ Saved layout (a directory): the `bm25s` arrays, `passages.parquet` (id, title, t
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from memopd.retrieval.base import Hit, Retriever
+from memopd.retrieval.base import Hit, Retriever, write_index_dir
 
 DEFAULTS = {"k1": 1.2, "b": 0.75, "method": "lucene", "stemmer": "english", "stopwords": "en", "title_weight": 2}
 
@@ -61,23 +60,9 @@ class BM25Retriever(Retriever):
 
     def save(self, out_dir: str | Path, record: dict | None = None, build_seconds: float | None = None) -> None:
         """Write the index directory atomically (a temporary directory renamed into place)."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        out = Path(out_dir)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            self.model.save(tmp, show_progress=False)
-            pq.write_table(pa.table({"id": self.ids, "title": self.titles, "text": self.texts}),
-                           tmp / "passages.parquet")
-            meta = {"backend": self.backend, "params": self.params, "passages": len(self.ids),
-                    "build_seconds": build_seconds, "config": record or {}}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-            shutil.rmtree(out, ignore_errors=True)
-            tmp.rename(out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        write_index_dir(out_dir, lambda d: self.model.save(d, show_progress=False), self.ids, self.titles, self.texts,
+                        {"backend": self.backend, "params": self.params, "passages": len(self.ids),
+                         "build_seconds": build_seconds, "config": record or {}})
 
     @classmethod
     def load(cls, index_dir: str | Path, mmap: bool = False) -> "BM25Retriever":

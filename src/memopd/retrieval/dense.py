@@ -12,7 +12,6 @@ paper scale (`online: true`) or from a local directory.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Sequence
@@ -20,7 +19,7 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from memopd.retrieval.base import Hit, Retriever
+from memopd.retrieval.base import Hit, Retriever, write_index_dir
 
 DEFAULTS = {"model": "intfloat/e5-base-v2", "max_length": 256, "batch_size": 256, "device": "auto",
             "dtype": "auto", "faiss_factory": "Flat", "query_prefix": "query: ", "passage_prefix": "passage: "}
@@ -98,24 +97,10 @@ class DenseRetriever(Retriever):
                    list(corpus["text"]), p)
 
     def save(self, out_dir: str | Path, record: dict | None = None, build_seconds: float | None = None) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        out = Path(out_dir)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            np.save(tmp / "embeddings.npy", self.vectors)
-            pq.write_table(pa.table({"id": self.ids, "title": self.titles, "text": self.texts}),
-                           tmp / "passages.parquet")
-            meta = {"backend": self.backend, "params": self.params, "passages": len(self.ids),
-                    "dim": int(self.vectors.shape[1]), "build_seconds": build_seconds, "config": record or {}}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-            shutil.rmtree(out, ignore_errors=True)
-            tmp.rename(out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        """Write the index directory atomically (a temporary directory renamed into place)."""
+        write_index_dir(out_dir, lambda d: np.save(d / "embeddings.npy", self.vectors), self.ids, self.titles, self.texts,
+                        {"backend": self.backend, "params": self.params, "passages": len(self.ids),
+                         "dim": int(self.vectors.shape[1]), "build_seconds": build_seconds, "config": record or {}})
 
     @classmethod
     def load(cls, index_dir: str | Path, device: str | None = None, model: str | None = None,
