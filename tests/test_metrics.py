@@ -107,3 +107,14 @@ def test_f1_bounds_and_em_implies_f1(pred, gold):
     assert 0.0 <= f <= 1.0
     if exact_match(pred, gold):
         assert f == 1.0
+
+
+def test_copy_probe_known_values():
+    from memopd.metrics import copy_probe
+
+    q = "Who founded the Dallas Stars?"
+    assert copy_probe("search", "who founded the Dallas Stars", q) == {"copy_f1": 1.0, "copy_exact": 1.0}
+    half = copy_probe("search", "Dallas Stars", q)  # normalised: 2 of 4 question tokens ("the" is dropped)
+    assert half["copy_exact"] == 0.0 and abs(half["copy_f1"] - 2 * (1 * 0.5) / 1.5) < 1e-12
+    assert copy_probe("answer", "", q) == {"copy_f1": 0.0, "copy_exact": 0.0}
+    assert copy_probe("invalid", "who founded the Dallas Stars", q)["copy_f1"] == 0.0

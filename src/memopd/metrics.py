@@ -106,6 +106,15 @@ def mean_scores(scores: Iterable[dict], keys: Sequence[str] = ("em", "f1", "em_s
     return {k: sum(s[k] for s in scores) / len(scores) for k in keys} | {"tasks": len(scores)}
 
 
+def copy_probe(first_action: str, first_query: str, question: str) -> dict:
+    """How well the model reproduces question 1 in its first call's search query (the protocol's first
+    move, and what the SFT data teaches verbatim): token F1 and normalised exact match against the
+    question; 0 when the first action is not a search."""
+    if first_action != "search":
+        return {"copy_f1": 0.0, "copy_exact": 0.0}
+    return {"copy_f1": f1_score(first_query, question), "copy_exact": exact_match(first_query, question)}
+
+
 def peak_context(context_lengths: Iterable[int]) -> int:
     """The most tokens held at once by any call of an episode (0 for no call). The agent passes
     |input| + |generated| per call: the context the model attends over when it emits its last token."""

@@ -4,7 +4,8 @@ Aggregates (results/eval/{model}/{benchmark}.json): em and f1 are fractions, ave
 inside a task and then over tasks; peak_context_tokens, dependency and calls_per_episode are means over
 episodes; inference_time_s is the measured wall clock of the whole evaluation divided by the number of
 episodes (episodes run batched, so this is throughput-based time per task; the total is
-inference_time_total_s); invalid_action_rate = invalid actions / calls.
+inference_time_total_s); invalid_action_rate = invalid actions / calls; copy_f1 / copy_exact: the copy
+probe (memopd.metrics.copy_probe: question 1 reproduced in the first search query), means over episodes.
 """
 from __future__ import annotations
 
@@ -66,12 +67,13 @@ def aggregate(episodes: list[Episode], wall_s: float) -> dict:
         "calls_per_episode": calls / n if n else 0.0,
         "invalid_action_rate": sum(e.metrics["invalid_actions"] for e in episodes) / calls if calls else 0.0,
         "inference_time_total_s": wall_s, "answered_rate": mean("answered"),
+        "copy_f1": mean("copy_f1"), "copy_exact": mean("copy_exact"),
         "peak_context_tokens_max": max((e.metrics["peak_context_tokens"] for e in episodes), default=0),
     }
 
 
 ROW_KEYS = ("em", "f1", "answered", "end_reason", "calls", "searches", "invalid_actions", "peak_context_tokens",
-            "dependency", "generated_tokens", "retained_spans")
+            "dependency", "generated_tokens", "retained_spans", "copy_f1", "copy_exact")
 
 
 def episode_rows(episodes: list[Episode]) -> list[dict]:

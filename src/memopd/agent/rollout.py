@@ -129,6 +129,7 @@ def _finish(s: _State, cfg: AgentConfig) -> Episode:
         "dependency": metrics.dependency((len(i.input_ids), len(i.output_ids)) for i in s.invocations),
         "generated_tokens": sum(len(inv.output_ids) for inv in s.invocations),
         "retained_spans": sum(len(inv.retained) for inv in s.invocations),
+        **metrics.copy_probe(s.actions[0].kind, s.actions[0].query, s.task.questions[0]),
     }
     return ep.validate()
 

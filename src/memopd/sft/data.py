@@ -169,3 +169,24 @@ def split_heldout(examples: list[Episode], fraction: float, seed: int) -> tuple[
     train = [x for x in examples if x.metrics.get("source_task", x.task_id) not in held]
     heldout = [x for x in examples if x.metrics.get("source_task", x.task_id) in held]
     return train, heldout
+
+
+def lm_examples(token_lists: list[list[int]], max_len: int, names: list[str] | None = None) -> list[Episode]:
+    """Language-model pre-training data in the SFT example format: each text (already tokenised) is one
+    example whose first token is the context and the rest the target, so the SFT trainer's target-only
+    loss is the plain next-token loss over the text. A text longer than `max_len` tokens is cut into
+    consecutive chunks of at most `max_len` (every token kept, each chunk its own example); a text of
+    fewer than two tokens has nothing to predict and is skipped (counted by the caller)."""
+    if max_len < 2:
+        raise ValueError(f"max_len {max_len} leaves no target token")
+    out = []
+    for i, ids in enumerate(token_lists):
+        name = names[i] if names else str(i)
+        for c, start in enumerate(range(0, len(ids), max_len)):
+            chunk = ids[start : start + max_len]
+            if len(chunk) < 2:
+                continue
+            out.append(Episode(task_id=f"{name}@{c}", prefix_len=1,
+                               invocations=[Invocation(chunk[:1], chunk[1:])],
+                               metrics={"source_task": name, "chunk": c}))
+    return out
