@@ -135,3 +135,17 @@ def test_two_ranks_train_like_one(setup, tmp_path):
     # measured ~6e-8 (float sums in another order); a wrong gradient scale moves them by ~lr = 1e-4
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-5
     assert (tmp_path / "two/checkpoint/state.pt").exists()
+
+
+def test_cli_train_writes_metrics_and_exports_the_policy(setup, tmp_path):
+    """`memopd train` (what the `train` rule runs, alone or under torchrun) without tracking."""
+    from memopd.cli import main
+
+    d, cfg = setup
+    cfg = {**cfg, "train": {**cfg["train"], "steps": 1}}
+    main(["train", "--cfg", json.dumps(cfg), "--method", "ppo", "--seed", "1", "--student", str(d / "student"),
+          "--teacher", str(d / "teacher"), "--tasks", str(d / "q2_train.parquet"), "--index", str(d / "index"),
+          "--out-dir", str(tmp_path / "run"), "--export", str(tmp_path / "export")])
+    lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 1 and lines[0]["world_size"] == 1 and lines[0]["method"] == "ppo" and "time/sync_s" not in lines[0]
+    assert load_file(tmp_path / "export/model.safetensors").keys() == load_file(d / "student/model.safetensors").keys()
