@@ -149,3 +149,11 @@ def test_cli_train_writes_metrics_and_exports_the_policy(setup, tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 1 and lines[0]["world_size"] == 1 and lines[0]["method"] == "ppo" and "time/sync_s" not in lines[0]
     assert load_file(tmp_path / "export/model.safetensors").keys() == load_file(d / "student/model.safetensors").keys()
+
+
+def test_the_rce_guard_tolerance_follows_the_training_dtype():
+    from memopd.train.loop import ppo_config
+
+    paper = yaml.safe_load((ROOT / "config/paper.yaml").read_text())["train"]
+    assert ppo_config(paper, "memopd", 0).dtype == "bfloat16" == paper["dtype"]
+    assert ppo_config({"ppo": {}}, "ppo", 0).dtype == "float32"

@@ -62,8 +62,10 @@ def load_checkpoint(path: Path, policy, critic, actor_opt, critic_opt) -> int:
 
 
 def ppo_config(cfg: dict, method: str, seed: int) -> PPOConfig:
+    """The `train.ppo` section; the RCE guard's tolerance follows the training dtype (`train.dtype`)."""
     known = {f.name for f in fields(PPOConfig)}
-    return PPOConfig(**{k: v for k, v in cfg.get("ppo", {}).items() if k in known}, method=method, seed=seed)
+    return PPOConfig(**{k: v for k, v in cfg.get("ppo", {}).items() if k in known}, method=method, seed=seed,
+                     dtype=cfg.get("dtype", "float32"))
 
 
 def task_order(n_tasks: int, steps: int, batch: int, seed: int) -> list[list[int]]:
