@@ -103,7 +103,8 @@ def test_weight_sync_makes_the_engine_sample_from_the_trainer_policy(tmp_path):
 
 def _train_cmd(setup, out, launch):
     d, cfg = setup
-    cfg = {**cfg, "rollout": {**cfg["rollout"], "backend": "vllm", "dtype": "bfloat16", "vllm": {"max_model_len": 4096}},
+    engine = {"backend": "vllm", "dtype": "bfloat16", "vllm": {"max_model_len": 4096}}
+    cfg = {**cfg, "rollout": {**cfg["rollout"], **engine},
            "train": {**cfg["train"], "steps": 2, "vllm": {"gpu_memory_utilization": 0.2}}}
     return [*launch, "-m", "memopd.cli", "train", "--cfg", json.dumps(cfg), "--method", "memopd", "--seed", "0",
             "--student", str(d / "student"), "--teacher", str(d / "teacher"), "--tasks", str(d / "q2_train.parquet"),

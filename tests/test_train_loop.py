@@ -147,7 +147,8 @@ def test_cli_train_writes_metrics_and_exports_the_policy(setup, tmp_path):
           "--teacher", str(d / "teacher"), "--tasks", str(d / "q2_train.parquet"), "--index", str(d / "index"),
           "--out-dir", str(tmp_path / "run"), "--export", str(tmp_path / "export")])
     lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert len(lines) == 1 and lines[0]["world_size"] == 1 and lines[0]["method"] == "ppo" and "time/sync_s" not in lines[0]
+    assert len(lines) == 1 and lines[0]["world_size"] == 1 and lines[0]["method"] == "ppo"
+    assert "time/sync_s" not in lines[0]  # no engine to sync with the hf backend
     assert load_file(tmp_path / "export/model.safetensors").keys() == load_file(d / "student/model.safetensors").keys()
 
 
