@@ -73,3 +73,88 @@ def test_result_tables_known_values():
     lo, hi = bootstrap_ci([1.0, 2.0, 3.0, 4.0, 5.0])
     assert 1.0 <= lo < 3.0 < hi <= 5.0
     assert bootstrap_ci([2.0]) == (2.0, 2.0)
+
+
+def test_a_rank_share_of_a_batch_samples_the_single_process_episodes(setup):
+    """rollout(tasks[r::W], indices=...) seeds every call by the task's batch position: rank r's share
+    is exactly those episodes of the single-process rollout (batch_size 1: no padding effects)."""
+    from agent_support import protocol_student, retriever, tokenizer
+    from memopd.agent.backends import HFBackend, Sampling
+    from memopd.agent.rollout import AgentConfig, rollout
+
+    tasks = nq_tasks(4, n_questions=2, start=60)
+    agent = AgentConfig(max_observation_tokens=48, turns={"default": 3}, batch_size=1)
+    backend = HFBackend(protocol_student(), tokenizer(), Sampling(max_new_tokens=24))
+    run = lambda ts, **kw: rollout(ts, backend, tokenizer(), retriever(), agent, seed=11, progress=False, **kw)
+    whole = run(tasks)
+    shares = [run(tasks[r::2], indices=list(range(r, 4, 2))) for r in (0, 1)]
+    calls = lambda ep: [(inv.input_ids, inv.output_ids) for inv in ep.invocations]
+    for r in (0, 1):
+        assert [calls(e) for e in shares[r]] == [calls(e) for e in whole[r::2]]
+    assert calls(run(tasks[1::2])[0]) != calls(whole[1])  # without indices the seeds differ
+
+
+def _train_worker(rank, world, port, setup, out):
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))  # setup_distributed then reuses it
+    _run(setup, out, method="memopd_persistent")
+    dist.destroy_process_group()
+
+
+def test_two_ranks_train_like_one(setup, tmp_path):
+    """train_run under 2 gloo ranks (what torchrun runs): each rank rolls out and scores its share,
+    gradients are summed, rank 0 alone writes metrics, checkpoint and model. With rollouts batched one
+    episode at a time (no padding effects) the episodes, metrics and weights are the single process's."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    d, cfg = setup
+    cfg = {**cfg, "rollout": {**cfg["rollout"], "batch_size": 1}}
+    single = _run((d, cfg), tmp_path / "one", method="memopd_persistent")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_train_worker, args=(2, port, (d, cfg), tmp_path / "two"), nprocs=2, start_method="fork")
+    lines = [json.loads(x) for x in (tmp_path / "two/metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2] and all(m["world_size"] == 2 for m in lines)
+    for a, b in zip(single, lines, strict=True):
+        assert b["episodes"] == a["episodes"] == cfg["train"]["batch_tasks"]
+        for k in ("reward/f1", "reward/em", "rollout/calls_per_episode", "tokens/actions", "tokens/packed"):
+            assert a[k] == b[k], k  # the same episodes
+        for k in ("actor/loss", "value/loss", "opd/loss", "actor/grad_norm", "reward/kl_ref"):
+            assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(a[k])), k
+    w1, w2 = (load_file(tmp_path / f"{n}/model/model.safetensors") for n in ("one", "two"))
+    # measured ~6e-8 (float sums in another order); a wrong gradient scale moves them by ~lr = 1e-4
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-5
+    assert (tmp_path / "two/checkpoint/state.pt").exists()
+
+
+def test_cli_train_writes_metrics_and_exports_the_policy(setup, tmp_path):
+    """`memopd train` (what the `train` rule runs, alone or under torchrun) without tracking."""
+    from memopd.cli import main
+
+    d, cfg = setup
+    cfg = {**cfg, "train": {**cfg["train"], "steps": 1}}
+    main(["train", "--cfg", json.dumps(cfg), "--method", "ppo", "--seed", "1", "--student", str(d / "student"),
+          "--teacher", str(d / "teacher"), "--tasks", str(d / "q2_train.parquet"), "--index", str(d / "index"),
+          "--out-dir", str(tmp_path / "run"), "--export", str(tmp_path / "export")])
+    lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 1 and lines[0]["world_size"] == 1 and lines[0]["method"] == "ppo"
+    assert "time/sync_s" not in lines[0]  # no engine to sync with the hf backend
+    assert load_file(tmp_path / "export/model.safetensors").keys() == load_file(d / "student/model.safetensors").keys()
+
+
+def test_the_rce_guard_tolerance_follows_the_training_dtype():
+    from memopd.train.loop import ppo_config
+
+    paper = yaml.safe_load((ROOT / "config/paper.yaml").read_text())["train"]
+    assert ppo_config(paper, "memopd", 0).dtype == "bfloat16" == paper["dtype"]
+    assert ppo_config({"ppo": {}}, "ppo", 0).dtype == "float32"

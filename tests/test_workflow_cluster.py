@@ -61,6 +61,16 @@ def test_paper_jobs_request_resources_and_gpu_steps_request_gpus(paper_dry_run):
         assert all(j["resources"]["gpu"] >= 1 for j in jobs if j["rule"] == rule), rule
 
 
+def test_multi_gpu_training_starts_one_torchrun_rank_per_gpu(paper_dry_run):
+    """At paper scale SFT and PPO training get several GPUs and start torchrun with one rank per GPU."""
+    for rule, cmd in (("sft_train", "sft train"), ("train", "train")):
+        gpus = {j["resources"]["gpu"] for j in dry_run_jobs(paper_dry_run) if j["rule"] == rule}
+        assert len(gpus) == 1 and (n := gpus.pop()) > 1, (rule, gpus)
+        launches = re.findall(rf"-m torch\.distributed\.run --standalone --nnodes 1 --nproc-per-node {n} "
+                              rf"-m memopd\.cli {cmd} ", paper_dry_run)
+        assert len(launches) == PAPER_JOBS[rule], (rule, len(launches))
+
+
 def test_every_rule_declares_its_kind():
     """A step without ENV_CPU / ENV_GPU would escape the GPU check and run without a conda env."""
     kinds = rule_kinds()

@@ -215,18 +215,28 @@ def cmd_rce_rollouts(args, cfg):
 
 def cmd_train(args, cfg):
     import shutil
+    from contextlib import nullcontext
 
+    from memopd.sft.trainer import dist_info
+    from memopd.tracking import NullRun, tracked
     from memopd.train.loop import train_run
 
-    from memopd.tracking import tracked
-
-    with tracked(args.tracking, f"train-{args.method}-seed{args.seed}", cfg, stage="train",
-                 model=f"{args.method}_seed{args.seed}", seed=args.seed) as run:
+    rank, world, _ = dist_info()  # under torchrun: rank 0 tracks, exports and reports
+    run_name = f"train-{args.method}-seed{args.seed}"
+    with (tracked(args.tracking, run_name, cfg, stage="train", model=f"{args.method}_seed{args.seed}", seed=args.seed)
+          if rank == 0 else nullcontext(NullRun())) as run:
         hist = train_run(cfg, args.method, args.seed, args.student, args.teacher, args.tasks, args.index,
                          args.out_dir, stop_after=args.stop_after,
                          tracker=lambda m, step: run.log_metrics(
                              {k: v for k, v in m.items() if isinstance(v, (int, float))}, step))
-        run.log_artifact(Path(args.out_dir) / "metrics.jsonl")
+        if rank == 0:
+            run.log_artifact(Path(args.out_dir) / "metrics.jsonl")
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if rank != 0:
+        return
     if args.export and (Path(args.out_dir) / "model").exists():  # the final policy, evaluated like any model
         shutil.copytree(Path(args.out_dir) / "model", args.export, dirs_exist_ok=True)
     if hist:

@@ -1,7 +1,7 @@
 # PPO / MemOPD training (one job per method x seed), evaluation of the trained policies, Tables 1-2.
 
 TRAIN = config["train"]
-TRAIN_SRC = src("train/ppo", "train/loop", "losses", "packing", "attention", "rce", "agent/rollout",
+TRAIN_SRC = src("train/ppo", "train/loop", "train/weight_sync", "losses", "packing", "attention", "rce", "agent/rollout",
                 "agent/backends", "cli")
 TRAINED = [f"{m}_seed{s}" for m in TRAIN["methods"] for s in TRAIN["seeds"]]
 
@@ -21,7 +21,7 @@ rule train:
         method="ppo|memopd|memopd_persistent",
         seed=r"\d+",
     params:
-        memopd=MEMOPD,
+        launch=launcher,  # torchrun (one rank per GPU, gradients summed over ranks) when the job has several GPUs
         tracking=cfg_json("tracking"),
         cfg=lambda w: json.dumps({k: config[k] for k in ("train", "agent", "rollout")}, sort_keys=True),
         student=lambda w, input: os.path.dirname(input.student),
@@ -38,7 +38,7 @@ rule train:
     conda:
         ENV_GPU
     shell:
-        "{params.memopd} train --cfg {params.cfg:q} --method {wildcards.method} --seed {wildcards.seed} "
+        "{params.launch} train --cfg {params.cfg:q} --method {wildcards.method} --seed {wildcards.seed} "
         "--student {params.student} --teacher {params.teacher} --tasks {input.tasks} --index {input.index} "
         "--out-dir {params.run_dir} --export {params.export} --tracking {params.tracking:q} > {log} 2>&1"
 

@@ -135,9 +135,11 @@ def _finish(s: _State, cfg: AgentConfig) -> Episode:
 
 
 def rollout(tasks: list[Task], backend, tokenizer, retriever: Retriever, cfg: AgentConfig, seed: int = 0,
-            progress: bool = True, stats: dict | None = None) -> list[Episode]:
+            progress: bool = True, stats: dict | None = None, indices: list[int] | None = None) -> list[Episode]:
     """Roll out every task once; returns the episodes in task order. `stats` (if given) receives the
-    wall-clock split: generation, retrieval, total seconds, calls and generated tokens."""
+    wall-clock split: generation, retrieval, total seconds, calls and generated tokens. `indices[i]` is
+    task i's index in the sampling seeds (default i): a rank rolling out its share of a larger batch
+    passes the tasks' batch positions, so that every episode is sampled as in a single-process run."""
     from tqdm.auto import tqdm
 
     env = _Env(tokenizer, retriever, cfg)
@@ -156,7 +158,8 @@ def rollout(tasks: list[Task], backend, tokenizer, retriever: Retriever, cfg: Ag
             active.append(_State(i, tasks[i], q, budget, next_input=list(q)))
         t = time.perf_counter()
         gens = backend.generate([s.next_input for s in active],
-                                [call_seed(seed, s.index, s.task.task_id, len(s.invocations)) for s in active])
+                                [call_seed(seed, s.index if indices is None else indices[s.index], s.task.task_id,
+                                           len(s.invocations)) for s in active])
         t_gen += time.perf_counter() - t
         need_obs: list[tuple[_State, Action]] = []
         for s, g in zip(active, gens):

@@ -5,6 +5,13 @@ One run = one (method, seed). Everything that could differ between methods is fi
 alone (task order, rollout sampling seeds, minibatch order), so `ppo`, `memopd` and
 `memopd_persistent` with the same seed see the same data order from the same SFT initialisation.
 
+Rollouts come from the `rollout.backend` of the config: `hf` (the policy itself, through its KV
+cache) or `vllm` (a colocated engine whose weights are synced from the policy before every rollout,
+`memopd.train.weight_sync`; the sync time is logged as time/sync_s). Under torchrun every rank rolls
+out and scores its share of each batch (positions rank, rank + W, ...; sampling seeds by batch
+position, so the episodes are those of a single process) and the gradients are summed over ranks
+(`ppo_update`); rank 0 writes the metrics, checkpoints and the final model.
+
 Files in the run directory:
   metrics.jsonl        one JSON object per step (rewards, losses, RCE error, step-time breakdown)
   checkpoint/          policy + critic (safetensors), optimizers, RNG states and the next step
@@ -23,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from memopd.train.ppo import PPOConfig, ValueModel, ppo_update
+from memopd.train.ppo import PPOConfig, ValueModel, gather, ppo_update
 
 
 def _rng_state() -> dict:
@@ -33,8 +40,8 @@ def _rng_state() -> dict:
 def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in policy.state_dict().items()}, tmp / "policy.safetensors")
-    save_file({k: v.contiguous() for k, v in critic.state_dict().items()}, tmp / "critic.safetensors")
+    save_file({k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()}, tmp / "policy.safetensors")
+    save_file({k: v.detach().cpu().contiguous() for k, v in critic.state_dict().items()}, tmp / "critic.safetensors")
     torch.save({"step": torch.tensor(step), "actor_opt": actor_opt.state_dict(), "critic_opt": critic_opt.state_dict(),
                 **_rng_state()}, tmp / "state.pt")
     if path.exists():
@@ -47,7 +54,7 @@ def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt
 def load_checkpoint(path: Path, policy, critic, actor_opt, critic_opt) -> int:
     policy.load_state_dict(load_file(path / "policy.safetensors"), strict=False)
     critic.load_state_dict(load_file(path / "critic.safetensors"), strict=False)
-    state = torch.load(path / "state.pt", weights_only=True)
+    state = torch.load(path / "state.pt", weights_only=True, map_location="cpu")  # the optimizers move it
     actor_opt.load_state_dict(state["actor_opt"])
     critic_opt.load_state_dict(state["critic_opt"])
     torch.set_rng_state(state["torch"])
@@ -55,8 +62,10 @@ def load_checkpoint(path: Path, policy, critic, actor_opt, critic_opt) -> int:
 
 
 def ppo_config(cfg: dict, method: str, seed: int) -> PPOConfig:
+    """The `train.ppo` section; the RCE guard's tolerance follows the training dtype (`train.dtype`)."""
     known = {f.name for f in fields(PPOConfig)}
-    return PPOConfig(**{k: v for k, v in cfg.get("ppo", {}).items() if k in known}, method=method, seed=seed)
+    return PPOConfig(**{k: v for k, v in cfg.get("ppo", {}).items() if k in known}, method=method, seed=seed,
+                     dtype=cfg.get("dtype", "float32"))
 
 
 def task_order(n_tasks: int, steps: int, batch: int, seed: int) -> list[list[int]]:
@@ -70,78 +79,110 @@ def task_order(n_tasks: int, steps: int, batch: int, seed: int) -> list[list[int
     return [order[s * batch : (s + 1) * batch] for s in range(steps)]
 
 
+def rollout_metrics(episodes) -> dict:
+    """Task scores and protocol statistics of the batch (every rank's episodes)."""
+    per_ep = [(e.metrics["f1"], e.metrics["em"], len(e.invocations), e.metrics["invalid_actions"]) for e in episodes]
+    rows = [r for part in gather(per_ep) for r in part]
+    n, calls = len(rows), sum(r[2] for r in rows)
+    return {"episodes": n, "reward/f1": sum(r[0] for r in rows) / n, "reward/em": sum(r[1] for r in rows) / n,
+            "rollout/calls_per_episode": calls / n,
+            "rollout/invalid_rate": sum(r[3] for r in rows) / max(1, calls)}
+
+
 def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teacher_dir: str | Path,
               tasks_path: str | Path, index_dir: str | Path, out_dir: str | Path, stop_after: int | None = None,
               tracker=None, log=print) -> list[dict]:
     """Train one (method, seed). `cfg` holds the `train`, `agent` and `rollout` sections.
-    `stop_after` ends the process after that many steps of this invocation (tests of resume)."""
-    from memopd.agent.backends import HFBackend, Sampling
+    `stop_after` ends the process after that many steps of this invocation (tests of resume).
+    Under torchrun (WORLD_SIZE > 1) every rank calls this; only rank 0 writes files and calls `tracker`."""
+    from memopd.agent.backends import HFBackend, Sampling, VLLMBackend
     from memopd.agent.evaluate import load_retriever, load_tasks
     from memopd.agent.rollout import AgentConfig, rollout
     from memopd.models import load_model, load_tokenizer
+    from memopd.sft.trainer import dist_info, setup_distributed
 
-    tcfg = cfg["train"]
+    tcfg, rcfg = cfg["train"], cfg["rollout"]
+    device = setup_distributed()
+    rank, world, _ = dist_info()
+    if tcfg["batch_tasks"] < world:
+        raise ValueError(f"train.batch_tasks {tcfg['batch_tasks']} < {world} ranks: some rank would get no episode")
     torch.manual_seed(seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dtype = tcfg.get("dtype", "float32")
-    policy = load_model(student_dir, dtype=dtype)
+    tok = load_tokenizer(student_dir)
+    sampling = Sampling(**{k: rcfg[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens") if k in rcfg})
+    sync = None
+    if rcfg.get("backend", "hf") == "vllm":  # the engine first: it sizes its memory from what is free
+        from memopd.train.weight_sync import WeightSync, colocated_llm
+
+        vcfg = tcfg.get("vllm", {})
+        llm = colocated_llm(student_dir, rcfg, vcfg, seed, world)
+        sync = WeightSync(llm, sleep=bool(vcfg.get("sleep", False)))
+        backend = VLLMBackend(student_dir, tok, sampling, llm=llm)
+    policy = load_model(student_dir, dtype=dtype, device=str(device))
     ref = copy.deepcopy(policy).requires_grad_(False)  # frozen at the SFT initialisation
     critic = ValueModel(copy.deepcopy(policy))
-    teacher = load_model(teacher_dir, dtype=dtype).requires_grad_(False)
-    tok = load_tokenizer(student_dir)
+    teacher = load_model(teacher_dir, dtype=dtype, device=str(device)).requires_grad_(False)
     actor_opt = torch.optim.AdamW(policy.parameters(), lr=tcfg["lr_actor"], weight_decay=0.0)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=tcfg["lr_critic"], weight_decay=0.0)
     pcfg = ppo_config(tcfg, method, seed)
+    if sync is None:
+        backend = HFBackend(policy, tok, sampling)
 
     ckpt, metrics_path = out / "checkpoint", out / "metrics.jsonl"
     start = 0
     if (ckpt / "state.pt").exists():
         start = load_checkpoint(ckpt, policy, critic, actor_opt, critic_opt)
         log(f"resuming {method} seed {seed} at step {start}")
-        # keep the metrics of the steps the checkpoint covers, drop any written after it
-        kept = metrics_path.read_text().splitlines()[:start] if metrics_path.exists() else []
-        metrics_path.write_text("".join(line + "\n" for line in kept))
-    elif metrics_path.exists():
+        if rank == 0:  # keep the metrics of the steps the checkpoint covers, drop any written after it
+            kept = metrics_path.read_text().splitlines()[:start] if metrics_path.exists() else []
+            metrics_path.write_text("".join(line + "\n" for line in kept))
+    elif metrics_path.exists() and rank == 0:
         metrics_path.unlink()
 
     tasks = load_tasks(tasks_path)
     retriever = load_retriever(index_dir)
-    agent = AgentConfig.from_dict(cfg["agent"], batch_size=cfg["rollout"]["batch_size"])
-    sampling = Sampling(**{k: cfg["rollout"][k] for k in ("temperature", "top_p", "top_k", "max_new_tokens")
-                           if k in cfg["rollout"]})
-    schedule = task_order(len(tasks), tcfg["steps"], tcfg["batch_tasks"], seed)
+    agent = AgentConfig.from_dict(cfg["agent"], batch_size=rcfg["batch_size"])
+    schedule = task_order(len(tasks), tcfg["steps"], tcfg["batch_tasks"], seed)  # the same on every rank
     history = []
     from tqdm.auto import tqdm
 
-    for step in tqdm(range(start, tcfg["steps"]), desc=f"{method} seed {seed}", initial=start, total=tcfg["steps"]):
+    for step in tqdm(range(start, tcfg["steps"]), desc=f"{method} seed {seed}", initial=start, total=tcfg["steps"],
+                     disable=rank != 0):
         t0 = time.perf_counter()
-        batch = [tasks[i] for i in schedule[step]]
-        stats: dict = {}
-        episodes = rollout(batch, HFBackend(policy, tok, sampling), tok, retriever, agent,
-                           seed=seed * 1_000_003 + step, progress=False, stats=stats)
+        mine = list(range(rank, tcfg["batch_tasks"], world))  # this rank's positions in the batch
+        t_sync = sync.sync(policy) if sync is not None else None
         t1 = time.perf_counter()
-        pcfg.seed = seed * 1_000_003 + step
-        m = ppo_update(episodes, policy, ref, critic, teacher, actor_opt, critic_opt, pcfg)
+        stats: dict = {}
+        episodes = rollout([tasks[schedule[step][i]] for i in mine], backend, tok, retriever, agent,
+                           seed=seed * 1_000_003 + step, progress=False, stats=stats, indices=mine)
+        if sync is not None:
+            sync.release()
         t2 = time.perf_counter()
-        m.update({"step": step, "method": method, "seed": seed, "time/rollout_s": t1 - t0,
-                  "time/step_s": t2 - t0, "episodes": len(episodes),
-                  "reward/f1": sum(e.metrics["f1"] for e in episodes) / len(episodes),
-                  "reward/em": sum(e.metrics["em"] for e in episodes) / len(episodes),
-                  "rollout/calls_per_episode": sum(len(e.invocations) for e in episodes) / len(episodes),
-                  "rollout/invalid_rate": sum(e.metrics["invalid_actions"] for e in episodes)
-                  / max(1, sum(len(e.invocations) for e in episodes))})
+        pcfg.seed = seed * 1_000_003 + step
+        m = ppo_update(episodes, policy, ref, critic, teacher, actor_opt, critic_opt, pcfg, ids=mine)
+        t3 = time.perf_counter()
+        m.update(rollout_metrics(episodes))
+        m.update({"step": step, "method": method, "seed": seed, "world_size": world, "time/rollout_s": t2 - t1,
+                  "time/step_s": t3 - t0})
+        if t_sync is not None:
+            m["time/sync_s"] = t_sync
         m["tokens_per_s"] = m["tokens/packed"] / max(m["time/update_s"] + m["time/score_s"], 1e-9)
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(m, sort_keys=True) + "\n")
-        if tracker is not None:
-            tracker(m, step)
         history.append(m)
         done = step + 1
-        if done % tcfg.get("checkpoint_every", 1) == 0 or done == tcfg["steps"]:
-            save_checkpoint(ckpt, done, policy, critic, actor_opt, critic_opt)
+        if rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(m, sort_keys=True) + "\n")
+            if tracker is not None:
+                tracker(m, step)
+            if done % tcfg.get("checkpoint_every", 1) == 0 or done == tcfg["steps"]:
+                save_checkpoint(ckpt, done, policy, critic, actor_opt, critic_opt)
+        if world > 1:
+            torch.distributed.barrier()  # no rank runs ahead of a checkpoint that may be resumed from
         if stop_after is not None and done - start >= stop_after:
             return history
-    policy.save_pretrained(out / "model", safe_serialization=True)
-    tok.save_pretrained(out / "model")
+    if rank == 0:
+        policy.save_pretrained(out / "model", safe_serialization=True)
+        tok.save_pretrained(out / "model")
     return history
