@@ -356,3 +356,106 @@ def test_bench_runs_every_path_on_the_same_batches(examples):
     for r in (dense, padded):  # the same objective on the same weights
         assert abs(r["first_loss"] - seg["first_loss"]) < 1e-5
     assert padded["speedup_over_padded"] == 1.0
+
+
+# --- LM pre-training stage --------------------------------------------------------------------------
+
+def test_lm_examples_make_every_token_a_target_once():
+    from memopd.sft.data import lm_examples
+
+    texts = [list(range(10, 10 + n)) for n in (1, 2, 7, 8, 9, 16, 17)]
+    ex = lm_examples(texts, max_len=8)
+    targets, firsts = {}, {}
+    for x in ex:
+        x.validate()
+        assert example_len(x) <= 8
+        inv = x.invocations[0]
+        targets.setdefault(x.metrics["source_task"], []).extend(inv.output_ids)
+        firsts.setdefault(x.metrics["source_task"], inv.input_ids)
+    # every token after a text's first is predicted exactly once, in order; a 1-token text gives nothing
+    assert targets == {str(i): t[1:] for i, t in enumerate(texts) if len(t) > 1}
+    assert all(firsts[str(i)] == t[:1] for i, t in enumerate(texts) if len(t) > 1)
+    assert [len(x.invocations[0].output_ids) for x in ex if x.metrics["source_task"] == "6"] == [7, 7, 2]
+    with pytest.raises(ValueError):
+        lm_examples(texts, max_len=1)
+
+
+def test_copy_examples_target_is_the_context_span():
+    from memopd.sft.data import copy_examples
+
+    texts = [list(range(100 * i, 100 * i + 60)) for i in range(1, 6)] + [[7, 8]]
+    ex = copy_examples(texts, per_text=3, span=(4, 9), sep=[1], eos=2, seed=0)
+    assert 3 * 5 <= len(ex) <= 3 * 6  # the 2-token text can only give spans that fit
+    for x in ex:
+        x.validate()
+        inv = x.invocations[0]
+        span = inv.input_ids[:-1]
+        assert inv.input_ids[-1] == 1 and inv.output_ids == span + [2] and 4 <= len(span) <= 9
+        src = texts[int(x.task_id.split("/")[1])]
+        assert any(src[i : i + len(span)] == span for i in range(len(src)))
+    again = copy_examples(texts, per_text=3, span=(4, 9), sep=[1], eos=2, seed=0)
+    assert [x.invocations[0].output_ids for x in again] == [x.invocations[0].output_ids for x in ex]
+    other = copy_examples(texts, per_text=3, span=(4, 9), sep=[1], eos=2, seed=1)
+    assert [x.invocations[0].output_ids for x in other] != [x.invocations[0].output_ids for x in ex]
+    assert copy_examples(texts, per_text=0, span=(4, 9), sep=[1], eos=2, seed=0) == []
+
+
+def test_pretrain_stage_takes_its_budgets_and_no_heldout():
+    from memopd.sft.trainer import pretrain_steps, stage_section
+
+    section = {k: v for k, v in CFG.__dict__.items() if k not in ("steps", "epochs")}
+    section.update(min_reward=0.5, student={"steps": 5}, teacher={"epochs": 2},
+                   pretrain={"copy": {"per_text": 1, "span": [4, 8]}, "student": {"steps": 11, "lr": 2e-3}})
+    pre = TrainConfig.from_section(stage_section(section, "pretrain"), "student")
+    assert pre.steps == 11 and pre.lr == 2e-3 and pre.eval_fraction == 0.0 and pre.seq_len == CFG.seq_len
+    assert TrainConfig.from_section(stage_section(section, "sft"), "student").steps == 5
+    assert pretrain_steps(section, "student") == 11 and pretrain_steps(section, "teacher") == 0
+    with pytest.raises(ValueError, match="no section for role 'teacher'"):
+        TrainConfig.from_section(stage_section(section, "pretrain"), "teacher")
+    with pytest.raises(ValueError, match="stage"):
+        stage_section(section, "bogus")
+
+
+def test_pretrain_cli_then_sft_from_its_output(tmp_path):
+    """`sft lm-data` (corpus -> LM + copy examples) and `sft train --stage pretrain`, whose output SFT then
+    starts from; the model record keeps both stages."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from memopd.cli import main
+    from memopd.models import train_tokenizer
+
+    texts = [f"passage {i} says that the river {i % 7} flows into the sea near town {i % 5}" for i in range(40)]
+    pq.write_table(pa.table({"id": [f"p{i}" for i in range(40)], "title": [f"T{i}" for i in range(40)],
+                             "text": texts, "source": ["test"] * 40}), tmp_path / "corpus.parquet")
+    init = tmp_path / "init"
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+                                 use_sliding_window=False)).save_pretrained(init)
+    train_tokenizer(texts, 300, init)
+    sft = {"min_reward": 0.5, "seq_len": 64, "grad_accum": 1, "lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 1,
+           "weight_decay": 0.0, "betas": [0.9, 0.95], "adam_eps": 1e-8, "clip": 1.0, "eval_fraction": 0.2,
+           "eval_every": 0, "checkpoint_every": 10, "precision": "fp32", "mode": "packed", "backend": "segmented",
+           "log_every": 1, "student": {"steps": 2}, "teacher": {"steps": 2},
+           "pretrain": {"lm_text": True, "copy": {"per_text": 1, "span": [3, 6]}, "student": {"steps": 3}}}
+    common = ["--cfg", json.dumps(sft), "--seed", "3"]
+    main(["sft", "lm-data", *common, "--corpus", str(tmp_path / "corpus.parquet"), "--tokenizer", str(init),
+          "--out", str(tmp_path / "lm.parquet"), "--stats", str(tmp_path / "lm.json")])
+    stats = json.loads((tmp_path / "lm.json").read_text())
+    assert stats["passages"] == 40 and stats["lm_examples"] == 40 and stats["copy_examples"] == 40
+    lm = load_episodes(tmp_path / "lm.parquet")
+    assert len(lm) == 80 and all(example_len(x) <= 64 for x in lm)
+    main(["sft", "train", *common, "--threads", "1", "--stage", "pretrain", "--role", "student",
+          "--examples", str(tmp_path / "lm.parquet"), "--init", str(init), "--out", str(tmp_path / "student_lm")])
+    main(["sft", "train", *common, "--threads", "1", "--role", "student", "--examples", str(tmp_path / "lm.parquet"),
+          "--init", str(tmp_path / "student_lm"), "--out", str(tmp_path / "student_sft")])
+    info = json.loads((tmp_path / "student_sft" / "memopd_model.json").read_text())
+    assert info["pretrain"]["steps"] == 3 and info["pretrain"]["config"]["eval_fraction"] == 0.0
+    assert info["sft"]["steps"] == 2 and info["init"] == str(tmp_path / "student_lm")
+    sft["pretrain"]["lm_text"] = False
+    main(["sft", "lm-data", "--cfg", json.dumps(sft), "--seed", "3", "--corpus", str(tmp_path / "corpus.parquet"),
+          "--tokenizer", str(init), "--out", str(tmp_path / "copy.parquet"), "--stats", str(tmp_path / "copy.json")])
+    assert json.loads((tmp_path / "copy.json").read_text())["lm_examples"] == 0
+    assert len(load_episodes(tmp_path / "copy.parquet")) == 40

@@ -275,12 +275,16 @@ def cmd_report_sft(args, cfg):
     rows = []
     for name, heldout, ev, info in zip(args.names, args.heldout, args.eval, args.info):
         h, e, i = (json.loads(Path(p).read_text()) for p in (heldout, ev, info))
+        # train_seconds: SFT only; pretrain_seconds: the LM pre-training stage before it (0: none)
         rows.append({"model": name, "params": h["params"], "train_seconds": i.get("sft", {}).get("train_seconds", 0.0),
                      "heldout_target_loss": h["heldout_target_loss"], "invalid_action_rate": e["invalid_action_rate"],
-                     "em": e["em"], "f1": e["f1"]})
-    bench = Path(args.eval[0]).stem
-    write_table(rows, args.out, f"SFT summary: held-out target loss on the held-out turn examples; EM/F1 and "
-                f"invalid-action rate on {bench} ({json.loads(Path(args.eval[0]).read_text())['episodes']} tasks, greedy)")
+                     "em": e["em"], "f1": e["f1"], "pretrain_seconds": i.get("pretrain", {}).get("train_seconds", 0.0),
+                     "calls_per_episode": e["calls_per_episode"], "answered_rate": e["answered_rate"],
+                     "copy_f1": e.get("copy_f1", float("nan"))})
+    bench, n = Path(args.eval[0]).stem, json.loads(Path(args.eval[0]).read_text())["episodes"]
+    write_table(rows, args.out, f"SFT summary: held-out target loss on the held-out turn examples; EM/F1, "
+                f"invalid-action rate, calls per episode, answered rate and the copy probe on {bench} "
+                f"({n} tasks, greedy)")
 
 
 def cmd_fetch(args, cfg):

@@ -38,11 +38,76 @@ rule sft_examples:
         "--stats {output.stats} --table {output.table} > {log} 2>&1"
 
 
+def sft_init(wildcards):
+    """SFT starts from the role's LM pre-training when sft.pretrain gives it a budget, else from its init."""
+    stage = "lm" if (config["sft"].get("pretrain") or {}).get(wildcards.role) else "init"
+    return f"results/models/{wildcards.role}_{stage}/model.safetensors"
+
+
+rule sft_lm_data:
+    input:
+        src("records", "models", "cli", "sft/data", "sft/commands", "retrieval/corpus"),
+        corpus="results/retrieval/corpus.parquet",
+        tokenizer="results/models/tokenizer/tokenizer.json",
+    output:
+        examples="results/sft/lm.parquet",
+        stats="results/sft/lm_stats.json",
+    params:
+        memopd=MEMOPD,
+        cfg=cfg_json("sft"),
+        seed=config["seed"],
+        tokdir=lambda w, input: os.path.dirname(input.tokenizer),
+    log:
+        f"{LOGS}/sft_lm_data.log",
+    benchmark:
+        f"{LOGS}/bench/sft_lm_data.tsv"
+    threads: job_threads("sft_lm_data")
+    resources:
+        **job_resources("sft_lm_data"),
+    conda:
+        ENV_CPU
+    shell:
+        "{params.memopd} sft lm-data --cfg {params.cfg:q} --seed {params.seed} --corpus {input.corpus} "
+        "--tokenizer {params.tokdir} --out {output.examples} --stats {output.stats} > {log} 2>&1"
+
+
+rule sft_pretrain:
+    input:
+        SFT_SRC,
+        examples="results/sft/lm.parquet",
+        init="results/models/{role}_init/model.safetensors",
+        tracking=TRACKING_STORE,
+    output:
+        "results/models/{role}_lm/model.safetensors",
+    wildcard_constraints:
+        role="student|teacher",
+    params:
+        launch=launcher,
+        cfg=cfg_json("sft"),
+        tracking=cfg_json("tracking"),
+        seed=config["seed"],
+        initdir=lambda w, input: os.path.dirname(input.init),
+        outdir=lambda w, output: os.path.dirname(output[0]),
+    log:
+        f"{LOGS}/sft_pretrain_{{role}}.log",
+    benchmark:
+        f"{LOGS}/bench/sft_pretrain_{{role}}.tsv"
+    threads: job_threads("sft_pretrain")
+    resources:
+        **job_resources("sft_pretrain"),
+    conda:
+        ENV_GPU
+    shell:
+        "{params.launch} sft train --stage pretrain --role {wildcards.role} --cfg {params.cfg:q} "
+        "--tracking {params.tracking:q} --seed {params.seed} --threads {threads} --examples {input.examples} "
+        "--init {params.initdir} --out {params.outdir} > {log} 2>&1"
+
+
 rule sft_train:
     input:
         SFT_SRC,
         examples="results/sft/examples.parquet",
-        init="results/models/{role}_init/model.safetensors",
+        init=sft_init,
         tracking=TRACKING_STORE,
     output:
         "results/models/{role}_sft/model.safetensors",

@@ -66,26 +66,56 @@ def cmd_sft_examples(args, cfg):
           f"{stats['turn_examples']} turn examples ({stats['duplicates_dropped']} duplicates dropped) -> {args.out}")
 
 
+def cmd_sft_lm_data(args, cfg):
+    """Pre-training data from the corpus passages as the agent reads them (`(Title: t) text`, the layout
+    of its <information> blocks), tokenised once: with `sft.pretrain.lm_text` every passage as plain
+    language-model text (cut into chunks of at most sft.seq_len tokens, none dropped), plus the copy
+    curriculum of `sft.pretrain.copy`."""
+    from memopd.models import load_tokenizer
+    from memopd.records import save_episodes
+    from memopd.retrieval.corpus import read_corpus
+    from memopd.sft.data import copy_examples, lm_examples
+
+    pre = cfg.get("pretrain") or {}
+    corpus = read_corpus(args.corpus)
+    tok = load_tokenizer(args.tokenizer)
+    texts = [f"(Title: {t}) {x}" for t, x in zip(corpus["title"], corpus["text"])]
+    ids = [x + [tok.eos_token_id] for x in tok(texts, add_special_tokens=False)["input_ids"]]
+    examples = lm_examples(ids, cfg["seq_len"], corpus["id"]) if pre.get("lm_text", True) else []
+    copy = pre.get("copy") or {}
+    copies = copy_examples([x[:-1] for x in ids], copy.get("per_text", 0), tuple(copy.get("span", (8, 48))),
+                           tok("\n", add_special_tokens=False)["input_ids"], tok.eos_token_id, args.seed)
+    save_episodes(args.out, examples + copies)
+    stats = {"passages": len(texts), "lm_examples": len(examples), "copy_examples": len(copies),
+             "lm_target_tokens": sum(len(x.invocations[0].output_ids) for x in examples),
+             "copy_target_tokens": sum(len(x.invocations[0].output_ids) for x in copies),
+             "corpus": args.corpus, "tokenizer": args.tokenizer, "seed": args.seed, "config": cfg}
+    _write_json(args.stats, stats)
+    print(f"{len(texts)} passages -> {len(examples)} LM examples ({stats['lm_target_tokens']} target tokens) + "
+          f"{len(copies)} copy examples -> {args.out}")
+
+
 def cmd_sft_train(args, cfg):
     import torch
 
     from memopd.models import load_model, load_tokenizer
     from memopd.records import load_episodes
     from memopd.sft.data import split_heldout
-    from memopd.sft.trainer import TrainConfig, dist_info, setup_distributed, train
+    from memopd.sft.trainer import TrainConfig, dist_info, setup_distributed, stage_section, train
 
     _threads(args)
     device = setup_distributed()
     rank, world, _ = dist_info()
-    tcfg = TrainConfig.from_section(cfg, args.role)
+    tcfg = TrainConfig.from_section(stage_section(cfg, args.stage), args.role)
     train_ex, heldout = split_heldout(load_episodes(args.examples), tcfg.eval_fraction, args.seed)
     model = load_model(args.init, dtype="float32", device=str(device))  # fp32 master weights
     st = (Path(args.init) / "model.safetensors").stat()
     identity = {"init": str(Path(args.init).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     out = Path(args.out)
-    run_cfg = {"sft": cfg, "role": args.role, "resolved": asdict(tcfg), "seed": args.seed, "examples": args.examples,
-               "init": args.init, "world_size": world, "device": str(device)}
-    with _tracked(args, f"sft_{args.role}", run_cfg, "sft_train", f"{args.role}_sft", enabled=rank == 0) as run:
+    run_cfg = {"sft": cfg, "role": args.role, "stage": args.stage, "resolved": asdict(tcfg), "seed": args.seed,
+               "examples": args.examples, "init": args.init, "world_size": world, "device": str(device)}
+    name = f"{args.role}_{'lm' if args.stage == 'pretrain' else 'sft'}"
+    with _tracked(args, f"{args.stage}_{args.role}", run_cfg, f"{args.stage}_train", name, enabled=rank == 0) as run:
         summary = train(model, train_ex, heldout, tcfg, args.seed, out / "checkpoint", log=run.log_metrics,
                         identity=identity)
         if rank == 0:
@@ -94,8 +124,8 @@ def cmd_sft_train(args, cfg):
             info_path = Path(args.init) / "memopd_model.json"
             init_info = json.loads(info_path.read_text()) if info_path.exists() else {}
             info = {**init_info, "params": sum(p.numel() for p in model.parameters()), "init": args.init,
-                    "sft": {"role": args.role, **summary, "config": asdict(tcfg), "seed": args.seed,
-                            "examples": args.examples}}
+                    args.stage: {"role": args.role, **summary, "config": asdict(tcfg), "seed": args.seed,
+                                 "examples": args.examples}}
             _write_json(out / "memopd_model.json", info)
             run.log_dict(summary, "summary.json")
             run.log_metrics({"train_seconds": summary["train_seconds"]}, summary["steps"])
@@ -104,7 +134,7 @@ def cmd_sft_train(args, cfg):
         torch.distributed.destroy_process_group()
     if rank == 0:
         h = summary["heldout"]
-        print(f"sft {args.role}: {summary['steps']} steps ({summary['epochs']:.2f} epochs) in "
+        print(f"{args.stage} {args.role}: {summary['steps']} steps ({summary['epochs']:.2f} epochs) in "
               f"{summary['train_seconds']:.0f} s; held-out target loss "
               f"{h['target_loss'] if h else float('nan'):.4f} -> {out}")
 
@@ -185,8 +215,16 @@ def register(sub, add, bench, sft) -> None:
     sp.add_argument("--stats", required=True, help="JSON stats")
     sp.add_argument("--table", help="CSV row: teacher, trajectories_generated, trajectories_kept, turn_examples")
 
+    sp = add("lm-data", cmd_sft_lm_data, "corpus passages (+ copy curriculum) -> LM pre-training examples", sft)
+    sp.add_argument("--corpus", required=True, help="corpus parquet (memopd retrieval corpus)")
+    sp.add_argument("--tokenizer", required=True, help="tokenizer directory")
+    sp.add_argument("--out", required=True, help="examples (records parquet)")
+    sp.add_argument("--stats", required=True, help="JSON stats")
+
     sp = threads(tracked(add("train", cmd_sft_train, "SFT of the student or teacher (resumes from its checkpoint)", sft)))
     sp.add_argument("--role", required=True, choices=["student", "teacher"])
+    sp.add_argument("--stage", default="sft", choices=["sft", "pretrain"],
+                    help="pretrain: LM pre-training with the sft.pretrain budgets (examples from `sft lm-data`)")
     sp.add_argument("--examples", required=True)
     sp.add_argument("--init", required=True, help="initial model directory")
     sp.add_argument("--out", required=True, help="output model directory (checkpoints in OUT/checkpoint)")

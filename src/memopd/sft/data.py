@@ -175,18 +175,42 @@ def lm_examples(token_lists: list[list[int]], max_len: int, names: list[str] | N
     """Language-model pre-training data in the SFT example format: each text (already tokenised) is one
     example whose first token is the context and the rest the target, so the SFT trainer's target-only
     loss is the plain next-token loss over the text. A text longer than `max_len` tokens is cut into
-    consecutive chunks of at most `max_len` (every token kept, each chunk its own example); a text of
-    fewer than two tokens has nothing to predict and is skipped (counted by the caller)."""
+    chunks of at most `max_len` that overlap by one token (a chunk's context token is the previous
+    chunk's last target), so every token but the text's first is a target exactly once and none is
+    dropped. A text of fewer than two tokens has nothing to predict and gives no example."""
     if max_len < 2:
         raise ValueError(f"max_len {max_len} leaves no target token")
     out = []
     for i, ids in enumerate(token_lists):
         name = names[i] if names else str(i)
-        for c, start in enumerate(range(0, len(ids), max_len)):
-            chunk = ids[start : start + max_len]
-            if len(chunk) < 2:
-                continue
+        for c, start in enumerate(range(0, len(ids) - 1, max_len - 1)):
+            chunk = list(ids[start : start + max_len])
             out.append(Episode(task_id=f"{name}@{c}", prefix_len=1,
                                invocations=[Invocation(chunk[:1], chunk[1:])],
                                metrics={"source_task": name, "chunk": c}))
+    return out
+
+
+def copy_examples(token_lists: list[list[int]], per_text: int, span: tuple[int, int], sep: list[int], eos: int,
+                  seed: int) -> list[Episode]:
+    """The copy curriculum: `per_text` examples per text, each a random span of span[0]..span[1] tokens of
+    it followed by `sep` as context and the same span (+ eos) as target, so that the only way to lower
+    the loss is to copy from the context (what the protocol asks at every turn: the question into the
+    query, the memory into the next memory, an answer out of a passage). Seeded; a text shorter than
+    the drawn span is skipped."""
+    lo, hi = span
+    if per_text and not 1 <= lo <= hi:
+        raise ValueError(f"bad copy span {span}")
+    rng = random.Random(f"copy/{seed}")
+    out = []
+    for r in range(per_text):
+        for i, ids in enumerate(token_lists):
+            n = rng.randint(lo, hi)
+            if len(ids) < n:
+                continue
+            s = rng.randint(0, len(ids) - n)
+            piece = list(ids[s : s + n])
+            out.append(Episode(task_id=f"copy{r}/{i}", prefix_len=0,
+                               invocations=[Invocation(piece + list(sep), piece + [eos])],
+                               metrics={"source_task": f"copy{r}/{i}"}))
     return out

@@ -35,7 +35,26 @@ from memopd.sft.data import StepPlan, bin_pack, example_len, target_len
 from memopd.sft.loss import TargetLoss, target_loss
 
 ROLES = ("student", "teacher")
-NOT_TRAINER_KEYS = ("min_reward",)  # keys of the `sft` config section used by other steps
+NOT_TRAINER_KEYS = ("min_reward", "pretrain")  # keys of the `sft` config section used by other steps
+STAGES = ("sft", "pretrain")
+
+
+def stage_section(section: dict, stage: str) -> dict:
+    """The `sft` config section as a training stage sees it. `pretrain` (language-model pre-training on
+    the corpus before SFT) runs the same trainer with SFT's settings, its own per-role budgets and
+    overrides from `sft.pretrain.{role}`, and no held-out split (all its data is plain text)."""
+    if stage == "sft":
+        return section
+    if stage != "pretrain":
+        raise ValueError(f"unknown training stage {stage!r} (one of {STAGES})")
+    pre = section.get("pretrain") or {}
+    base = {k: v for k, v in section.items() if k not in ROLES + NOT_TRAINER_KEYS}
+    return {**base, "eval_fraction": 0.0, "eval_every": 0, **{r: pre[r] for r in ROLES if r in pre}}
+
+
+def pretrain_steps(section: dict, role: str) -> int:
+    """Budget of the role's pre-training stage in optimizer steps (0: the role starts SFT from its init)."""
+    return int(((section.get("pretrain") or {}).get(role) or {}).get("steps", 0))
 
 
 @dataclass(frozen=True)
