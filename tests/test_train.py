@@ -9,6 +9,7 @@ from memopd.rce import RCEError
 from memopd.synthetic import random_episode
 from memopd.train import parallel
 from memopd.train.ppo import PPOConfig, ValueModel, ppo_update, score_batch
+from memopd.train.weight_sync import policy_weights
 
 
 def _lm(hidden, seed):
@@ -159,7 +160,8 @@ def _dist_worker(rank, world, port, out, shard="none", dtype="float32"):
     ids = list(range(rank, len(eps), world))  # the loop's split: positions rank, rank + W, ...
     m = ppo_update([eps[i] for i in ids], policy, ref, critic, teacher, a_opt, c_opt,
                    PPOConfig(**DIST_CFG, dtype=dtype), ids=ids)
-    state = {**{f"policy.{k}": v for k, v in parallel.full_state_dict(policy).items()},
+    # the policy as the vLLM weight sync reads it (whole tensors gathered from the shards under FSDP)
+    state = {**{f"policy.{k}": v.clone() for k, v in policy_weights(policy)},
              **{f"critic.{k}": v for k, v in parallel.full_state_dict(critic).items()}}
     torch.save(state, f"{out}/rank{rank}.pt")
     if rank == 0:

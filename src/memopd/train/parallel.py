@@ -144,3 +144,23 @@ def load_full_state_dict(model, state: dict[str, torch.Tensor]) -> None:
 def clip_grad_norm(params, max_norm: float) -> float:
     """clip_grad_norm_ of the (summed) gradients; the total norm as a float (a DTensor under FSDP)."""
     return float(full_tensor(torch.nn.utils.clip_grad_norm_(list(params), max_norm)))
+
+
+def optimizer_state(model, opt) -> dict:
+    """The optimizer's state to checkpoint: its own state dict for a replica; for a sharded model the
+    whole (unsharded) state keyed by parameter name, on CPU, complete on rank 0 only (collective)."""
+    if not is_sharded(model):
+        return opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model, opt, state: dict) -> None:
+    """Inverse of `optimizer_state` (every rank passes the whole state; each keeps its shards)."""
+    if not is_sharded(model):
+        opt.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))
