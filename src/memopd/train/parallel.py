@@ -163,4 +163,5 @@ def load_optimizer_state(model, opt, state: dict) -> None:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))
+    # not strict: a parameter that never had a gradient has no AdamW state (the critic's untied LM head)
+    set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True, strict=False))
