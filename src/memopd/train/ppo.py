@@ -216,7 +216,8 @@ def minibatch_plan(idx: list[int], local: dict[int, int], owners: list[list[int]
     """This rank's passes for minibatch `idx` (batch positions): (index into its episodes, real?).
     `local`: this rank's batch position -> index; `owners[r]`: rank r's batch positions. With `pad`
     (FSDP: every forward and backward is a collective) every rank runs as many passes as the rank
-    holding most of the minibatch, the extra ones on its first episode with a zero loss."""
+    holding most of the minibatch, the extra ones on its first episode with a zero loss (so every rank
+    needs one episode: train_run requires batch_tasks >= ranks)."""
     mine = [(local[g], True) for g in idx if g in local]
     if not pad:
         return mine
