@@ -7,7 +7,9 @@ import torch
 
 from memopd.rce import RCEError
 from memopd.synthetic import random_episode
+from memopd.train import parallel
 from memopd.train.ppo import PPOConfig, ValueModel, ppo_update, score_batch
+from memopd.train.weight_sync import policy_weights
 
 
 def _lm(hidden, seed):
@@ -82,6 +84,46 @@ def test_rce_guard_fires_before_any_update():
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_first_ratio_is_exactly_one(dtype):
+    """pi_old (and the reference) are scored through the update's forward in the update's precision
+    (fp32, or bf16 autocast over fp32 weights, which CPU autocast supports): at the first minibatch,
+    before any step, exp(logp - old_logp) is exactly 1 and the KL to the reference exactly 0. Measured
+    0.0 for both; a pure-bf16 pi_old against the autocast update differs by ~2e-3 in log p here."""
+    policy, ref, critic, teacher, a_opt, c_opt = _setup()
+    m = ppo_update(_episodes(), policy, ref, critic, teacher, a_opt, c_opt,
+                   PPOConfig(dtype=dtype, opd_coef=0.5, minibatch_episodes=2, ppo_epochs=2))
+    assert m["ppo/first_ratio_err"] == 0.0 and m["reward/kl_ref"] == 0.0
+    assert m["rce/max_abs_dlogp"] <= {"float32": 1e-5, "bfloat16": 5e-2}[dtype]
+    assert m["ppo/ratio_max"] != 1.0  # later minibatches did move the policy
+
+
+def _moved_fraction(before: dict, model) -> float:
+    """Share of the decoder layers' weight-matrix elements an update changed."""
+    after = {k: v for k, v in model.state_dict().items() if k.startswith("model.layers.") and v.dim() == 2}
+    return sum((v != before[k]).sum().item() for k, v in after.items()) / sum(v.numel() for v in after.values())
+
+
+def test_a_tiny_lr_bf16_update_moves_the_fp32_master_weights():
+    """lr 1e-6 (paper scale): an Adam step is ~1e-6 per element. fp32 master weights under bf16
+    autocast take it (measured 99.97% of the layers' weights move); the negative control, the same
+    update on pure bf16 parameters (what the trainer did before), rounds it away: half a bf16 ulp of a
+    weight of size 0.02 is ~6e-5, so only weights below ~1e-4 in size can move (measured 1.8%)."""
+    fractions = {}
+    for params in ("float32", "bfloat16"):
+        policy, ref, critic, teacher, _, _ = _setup()
+        if params == "bfloat16":
+            policy, ref, critic, teacher = (m.to(torch.bfloat16) for m in (policy, ref, critic, teacher))
+        a_opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+        c_opt = torch.optim.AdamW(critic.parameters(), lr=1e-6)
+        before = {k: v.clone() for k, v in policy.state_dict().items()}
+        ppo_update(_episodes(), policy, ref, critic, teacher, a_opt, c_opt,
+                   PPOConfig(dtype="bfloat16", minibatch_episodes=4))
+        fractions[params] = _moved_fraction(before, policy)
+    assert fractions["float32"] > 0.99
+    assert fractions["bfloat16"] < 0.05
+
+
 def test_unknown_method_rejected():
     with pytest.raises(ValueError, match="unknown method"):
         PPOConfig(method="dpo")
@@ -98,7 +140,7 @@ def _free_port() -> int:
 DIST_CFG = dict(method="memopd", opd_coef=0.5, minibatch_episodes=3, ppo_epochs=2, rce_sample=1)
 
 
-def _dist_worker(rank, world, port, out):
+def _dist_worker(rank, world, port, out, shard="none", dtype="float32"):
     import json
     import os
     from datetime import timedelta
@@ -110,22 +152,32 @@ def _dist_worker(rank, world, port, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a mismatched collective fails, not hangs
     policy, ref, critic, teacher, a_opt, c_opt = _setup()
+    if shard == "fsdp":  # what train_run does: shard the fp32 models, then build the optimizers on the shards
+        policy, ref, critic = (parallel.shard(m, dtype) for m in (policy, ref, critic))
+        a_opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+        c_opt = torch.optim.AdamW(critic.parameters(), lr=1e-3)
     eps = _episodes()
     ids = list(range(rank, len(eps), world))  # the loop's split: positions rank, rank + W, ...
-    m = ppo_update([eps[i] for i in ids], policy, ref, critic, teacher, a_opt, c_opt, PPOConfig(**DIST_CFG), ids=ids)
-    torch.save({**{f"policy.{k}": v for k, v in policy.state_dict().items()},
-                **{f"critic.{k}": v for k, v in critic.state_dict().items()}}, f"{out}/rank{rank}.pt")
+    m = ppo_update([eps[i] for i in ids], policy, ref, critic, teacher, a_opt, c_opt,
+                   PPOConfig(**DIST_CFG, dtype=dtype), ids=ids)
+    # the policy as the vLLM weight sync reads it (whole tensors gathered from the shards under FSDP)
+    state = {**{f"policy.{k}": v.clone() for k, v in policy_weights(policy)},
+             **{f"critic.{k}": v for k, v in parallel.full_state_dict(critic).items()}}
+    torch.save(state, f"{out}/rank{rank}.pt")
     if rank == 0:
         with open(f"{out}/metrics.json", "w") as f:
             json.dump(m, f)
     dist.destroy_process_group()
 
 
-def test_two_ranks_give_the_single_process_update(tmp_path):
+@pytest.mark.parametrize("shard", ["none", "fsdp"])
+def test_two_ranks_give_the_single_process_update(tmp_path, shard):
     """gloo on CPU (the same code runs NCCL under torchrun): 4 episodes over 2 ranks, minibatches of 3
     (so the 1-episode minibatch of each epoch lies on one rank only and the other contributes zero
-    gradients), 2 epochs, OPD on. The summed gradients must give the single-process weights; the
-    metrics (losses, gradient norms, advantages' normalisation) must agree too."""
+    gradients, or with FSDP runs a zero-loss pass to match the collectives), 2 epochs, OPD on. The
+    summed gradients must give the single-process weights; the metrics (losses, gradient norms,
+    advantages' normalisation) must agree too. FSDP2 runs on CPU with gloo (torch 2.13): sharded fp32
+    parameters, reduce-scatter, AdamW on the shards; the replicas of `none` vs the shards of `fsdp`."""
     import json
 
     import torch.multiprocessing as mp
@@ -133,7 +185,7 @@ def test_two_ranks_give_the_single_process_update(tmp_path):
     policy, ref, critic, teacher, a_opt, c_opt = _setup()
     single = ppo_update(_episodes(), policy, ref, critic, teacher, a_opt, c_opt, PPOConfig(**DIST_CFG))
     # fork: the children inherit the imported modules (spawn would re-import torch and transformers)
-    mp.start_processes(_dist_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="fork")
+    mp.start_processes(_dist_worker, args=(2, _free_port(), str(tmp_path), shard), nprocs=2, start_method="fork")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert all(torch.equal(r0[k], r1[k]) for k in r0)  # the replicas stay identical
     want = {**{f"policy.{k}": v for k, v in policy.state_dict().items()},
@@ -147,3 +199,19 @@ def test_two_ranks_give_the_single_process_update(tmp_path):
     for k in ("actor/loss", "value/loss", "opd/loss", "actor/grad_norm", "critic/grad_norm", "ppo/ratio_max",
               "reward/task", "reward/kl_ref", "tokens/actions", "tokens/packed", "rce/max_abs_dlogp"):
         assert abs(two[k] - single[k]) <= 1e-5 * max(1.0, abs(single[k])), k
+
+
+def test_fsdp_bf16_first_ratio_is_exactly_one(tmp_path):
+    """The paper-scale path on 2 gloo ranks: FSDP2 with bf16 all-gathered parameters (MixedPrecisionPolicy)
+    under bf16 autocast. Scoring (full parameters held by `parallel.gathered`) and the update's sharded
+    forward compute the same: the first ratio is exactly 1 and the KL to the reference exactly 0
+    (measured 0.0 for both); the RCE guard holds at the bf16 tolerance."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_dist_worker, args=(2, _free_port(), str(tmp_path), "fsdp", "bfloat16"), nprocs=2,
+                       start_method="fork")
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["ppo/first_ratio_err"] == 0.0 and m["reward/kl_ref"] == 0.0
+    assert m["rce/max_abs_dlogp"] <= 5e-2

@@ -21,6 +21,20 @@ pytestmark = pytest.mark.gpu
 PPO_KEYS = ("actor/loss", "value/loss", "opd/loss", "actor/grad_norm", "critic/grad_norm")
 
 
+def test_cuda_bf16_tiny_lr_moves_the_master_weights():
+    """bf16 autocast over fp32 weights on CUDA at lr 1e-6: the first ratio is 1 and the weights move."""
+    from test_train import _moved_fraction
+
+    policy, ref, critic, teacher, _, _ = (m.cuda() if isinstance(m, torch.nn.Module) else m for m in _setup())
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    a_opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    c_opt = torch.optim.AdamW(critic.parameters(), lr=1e-6)
+    m = ppo_update(_episodes(), policy, ref, critic, teacher, a_opt, c_opt,
+                   PPOConfig(dtype="bfloat16", minibatch_episodes=4, backend="sdpa"))
+    assert m["ppo/first_ratio_err"] <= 1e-2 and m["rce/max_abs_dlogp"] <= 5e-2
+    assert _moved_fraction(before, policy) > 0.99
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "flex", "prefix_shared"])
 def test_cuda_training_step_matches_cpu(backend):
     """One fp32 update on CUDA: the RCE guard holds at the fp32 tolerance on the GPU kernels, and losses
@@ -101,11 +115,11 @@ def test_weight_sync_makes_the_engine_sample_from_the_trainer_policy(tmp_path):
     assert (eng2 - hf2).abs().max() <= 0.1, (eng2 - hf2).abs()
 
 
-def _train_cmd(setup, out, launch):
+def _train_cmd(setup, out, launch, **train):
     d, cfg = setup
     engine = {"backend": "vllm", "dtype": "bfloat16", "vllm": {"max_model_len": 4096}}
     cfg = {**cfg, "rollout": {**cfg["rollout"], **engine},
-           "train": {**cfg["train"], "steps": 2, "vllm": {"gpu_memory_utilization": 0.2}}}
+           "train": {**cfg["train"], "steps": 2, "vllm": {"gpu_memory_utilization": 0.2}, **train}}
     return [*launch, "-m", "memopd.cli", "train", "--cfg", json.dumps(cfg), "--method", "memopd", "--seed", "0",
             "--student", str(d / "student"), "--teacher", str(d / "teacher"), "--tasks", str(d / "q2_train.parquet"),
             "--index", str(d / "index"), "--out-dir", str(out), "--export", str(out / "export")]
@@ -131,14 +145,18 @@ def test_train_run_with_vllm_rollouts(setup, tmp_path):  # noqa: F811
     assert (tmp_path / "run/export/model.safetensors").exists()
 
 
-def test_torchrun_two_gpus(setup, tmp_path):  # noqa: F811
-    """The paper-scale launch: torchrun with one rank per GPU (NCCL), one colocated engine per rank."""
+@pytest.mark.parametrize("dtype,shard", [("float32", "none"), ("bfloat16", "fsdp")])
+def test_torchrun_two_gpus(setup, tmp_path, dtype, shard):  # noqa: F811
+    """The paper-scale launch: torchrun with one rank per GPU (NCCL), one colocated engine per rank; with
+    FSDP2 (paper.yaml: bf16 autocast, fp32 shards) the engine is synced from the gathered shards. The
+    first minibatch's ratio is 1 up to kernel differences between the no-grad and the grad pass."""
     _vllm()
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    _run(_train_cmd(setup, tmp_path / "run", launch), tmp_path)
+    _run(_train_cmd(setup, tmp_path / "run", launch, dtype=dtype, shard=shard), tmp_path)
     lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1] and all(m["world_size"] == 2 for m in lines)
+    assert all(m["ppo/first_ratio_err"] <= {"float32": 1e-4, "bfloat16": 1e-2}[dtype] for m in lines)
     assert all(m["episodes"] == setup[1]["train"]["batch_tasks"] for m in lines)
     assert (tmp_path / "run/export/model.safetensors").exists()

@@ -94,7 +94,7 @@ def test_a_rank_share_of_a_batch_samples_the_single_process_episodes(setup):
     assert calls(run(tasks[1::2])[0]) != calls(whole[1])  # without indices the seeds differ
 
 
-def _train_worker(rank, world, port, setup, out):
+def _train_worker(rank, world, port, setup, out, stop_after=None):
     import os
     from datetime import timedelta
 
@@ -104,25 +104,36 @@ def _train_worker(rank, world, port, setup, out):
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))  # setup_distributed then reuses it
-    _run(setup, out, method="memopd_persistent")
+    _run(setup, out, method="memopd_persistent", stop_after=stop_after)
     dist.destroy_process_group()
 
 
-def test_two_ranks_train_like_one(setup, tmp_path):
-    """train_run under 2 gloo ranks (what torchrun runs): each rank rolls out and scores its share,
-    gradients are summed, rank 0 alone writes metrics, checkpoint and model. With rollouts batched one
-    episode at a time (no padding effects) the episodes, metrics and weights are the single process's."""
+def _two_ranks(setup, out, stop_after=None):
     import socket
 
     import torch.multiprocessing as mp
 
-    d, cfg = setup
-    cfg = {**cfg, "rollout": {**cfg["rollout"], "batch_size": 1}}
-    single = _run((d, cfg), tmp_path / "one", method="memopd_persistent")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_train_worker, args=(2, port, (d, cfg), tmp_path / "two"), nprocs=2, start_method="fork")
+    mp.start_processes(_train_worker, args=(2, port, setup, out, stop_after), nprocs=2, start_method="fork")
+
+
+@pytest.mark.parametrize("shard", ["none", "fsdp"])
+def test_two_ranks_train_like_one(setup, tmp_path, shard):
+    """train_run under 2 gloo ranks (what torchrun runs): each rank rolls out and scores its share,
+    gradients are summed, rank 0 alone writes metrics, checkpoint and model. With rollouts batched one
+    episode at a time (no padding effects) the episodes, metrics and weights are the single process's.
+    With `train.shard: fsdp` (FSDP2 on CPU/gloo) the ranks generate with the gathered policy, every rank
+    gathers the checkpoint's tensors, and a run killed after step 1 resumes from that checkpoint."""
+    d, cfg = setup
+    cfg = {**cfg, "rollout": {**cfg["rollout"], "batch_size": 1}}
+    single = _run((d, cfg), tmp_path / "one", method="memopd_persistent")
+    cfg = {**cfg, "train": {**cfg["train"], "shard": shard}}
+    if shard == "fsdp":
+        _two_ranks((d, cfg), tmp_path / "two", stop_after=1)
+        assert not (tmp_path / "two/model").exists() and (tmp_path / "two/checkpoint/state.pt").exists()
+    _two_ranks((d, cfg), tmp_path / "two")
     lines = [json.loads(x) for x in (tmp_path / "two/metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2] and all(m["world_size"] == 2 for m in lines)
     for a, b in zip(single, lines, strict=True):

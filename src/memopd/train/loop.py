@@ -12,6 +12,12 @@ out and scores its share of each batch (positions rank, rank + W, ...; sampling 
 position, so the episodes are those of a single process) and the gradients are summed over ranks
 (`ppo_update`); rank 0 writes the metrics, checkpoints and the final model.
 
+Precision and memory (`memopd.train.parallel`): policy, critic and reference are fp32 whatever
+`train.dtype` (bf16 autocast when it is bfloat16; the teacher is loaded in `train.dtype`, inference
+only). `train.shard: fsdp` shards the three with FSDP2 over the ranks (paper scale: fp32 AdamW of a 3B
+policy + 3B critic is ~96 GB); checkpoints then hold whole tensors, gathered by every rank and written
+by rank 0, and resume with any number of ranks.
+
 Files in the run directory:
   metrics.jsonl        one JSON object per step (rewards, losses, RCE error, step-time breakdown)
   checkpoint/          policy + critic (safetensors), optimizers, RNG states and the next step
@@ -24,12 +30,14 @@ import copy
 import json
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import fields
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from memopd.train import parallel
 from memopd.train.ppo import PPOConfig, ValueModel, gather, ppo_update
 
 
@@ -37,13 +45,22 @@ def _rng_state() -> dict:
     return {"torch": torch.get_rng_state()}
 
 
-def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt) -> None:
+def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt, write: bool = True) -> None:
+    """Every rank calls it when the models are sharded (the whole tensors are gathered); only `write`
+    writes. Replicas: ranks that do not write return at once."""
+    if not write and not parallel.is_sharded(policy):
+        return
+    tensors = {name: {k: v.cpu().contiguous() for k, v in parallel.full_state_dict(m).items()}
+               for name, m in (("policy", policy), ("critic", critic))}
+    opts = {"actor_opt": parallel.optimizer_state(policy, actor_opt),
+            "critic_opt": parallel.optimizer_state(critic, critic_opt)}
+    if not write:
+        return
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()}, tmp / "policy.safetensors")
-    save_file({k: v.detach().cpu().contiguous() for k, v in critic.state_dict().items()}, tmp / "critic.safetensors")
-    torch.save({"step": torch.tensor(step), "actor_opt": actor_opt.state_dict(), "critic_opt": critic_opt.state_dict(),
-                **_rng_state()}, tmp / "state.pt")
+    for name, t in tensors.items():
+        save_file(t, tmp / f"{name}.safetensors")
+    torch.save({"step": torch.tensor(step), **opts, **_rng_state()}, tmp / "state.pt")
     if path.exists():
         import shutil
 
@@ -52,11 +69,11 @@ def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt
 
 
 def load_checkpoint(path: Path, policy, critic, actor_opt, critic_opt) -> int:
-    policy.load_state_dict(load_file(path / "policy.safetensors"), strict=False)
-    critic.load_state_dict(load_file(path / "critic.safetensors"), strict=False)
+    parallel.load_full_state_dict(policy, load_file(path / "policy.safetensors"))
+    parallel.load_full_state_dict(critic, load_file(path / "critic.safetensors"))
     state = torch.load(path / "state.pt", weights_only=True, map_location="cpu")  # the optimizers move it
-    actor_opt.load_state_dict(state["actor_opt"])
-    critic_opt.load_state_dict(state["critic_opt"])
+    parallel.load_optimizer_state(policy, actor_opt, state["actor_opt"])
+    parallel.load_optimizer_state(critic, critic_opt, state["critic_opt"])
     torch.set_rng_state(state["torch"])
     return int(state["step"])
 
@@ -98,7 +115,7 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     from memopd.agent.backends import HFBackend, Sampling, VLLMBackend
     from memopd.agent.evaluate import load_retriever, load_tasks
     from memopd.agent.rollout import AgentConfig, rollout
-    from memopd.models import load_model, load_tokenizer
+    from memopd.models import DTYPES, load_model, load_tokenizer
     from memopd.sft.trainer import dist_info, setup_distributed
 
     tcfg, rcfg = cfg["train"], cfg["rollout"]
@@ -120,15 +137,23 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
         llm = colocated_llm(student_dir, rcfg, vcfg, seed, world)
         sync = WeightSync(llm, sleep=bool(vcfg.get("sleep", False)))
         backend = VLLMBackend(student_dir, tok, sampling, llm=llm)
-    policy = load_model(student_dir, dtype=dtype, device=str(device))
+    # fp32 master weights whatever train.dtype (bf16 autocast computes; pure bf16 parameters would round
+    # lr 1e-6 steps away); the reference is the policy's frozen copy, so it is scored exactly like pi_old
+    policy = load_model(student_dir, dtype="float32", device=str(device))
     ref = copy.deepcopy(policy).requires_grad_(False)  # frozen at the SFT initialisation
     critic = ValueModel(copy.deepcopy(policy))
+    # the frozen teacher stays in train.dtype: inference only (a target distribution, never in a ratio)
     teacher = load_model(teacher_dir, dtype=dtype, device=str(device)).requires_grad_(False)
+    shard = tcfg.get("shard", "none")
+    if shard not in parallel.SHARDING:
+        raise ValueError(f"train.shard {shard!r}: choose from {parallel.SHARDING}")
+    if shard == "fsdp" and world > 1:  # one rank: a shard is the whole model, the replica path is the same
+        policy, ref, critic = (parallel.shard(m, dtype) for m in (policy, ref, critic))
     actor_opt = torch.optim.AdamW(policy.parameters(), lr=tcfg["lr_actor"], weight_decay=0.0)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=tcfg["lr_critic"], weight_decay=0.0)
     pcfg = ppo_config(tcfg, method, seed)
     if sync is None:
-        backend = HFBackend(policy, tok, sampling)
+        backend = HFBackend(parallel.unwrap(policy), tok, sampling)  # generates inside parallel.gathered
 
     ckpt, metrics_path = out / "checkpoint", out / "metrics.jsonl"
     start = 0
@@ -155,8 +180,11 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
         t_sync = sync.sync(policy) if sync is not None else None
         t1 = time.perf_counter()
         stats: dict = {}
-        episodes = rollout([tasks[schedule[step][i]] for i in mine], backend, tok, retriever, agent,
-                           seed=seed * 1_000_003 + step, progress=False, stats=stats, indices=mine)
+        # hf rollouts: the policy itself samples, whole (gathered if sharded) and in the update's precision
+        with (parallel.gathered(policy) if sync is None else nullcontext()), \
+                (parallel.autocast(device, dtype) if sync is None else nullcontext()):
+            episodes = rollout([tasks[schedule[step][i]] for i in mine], backend, tok, retriever, agent,
+                               seed=seed * 1_000_003 + step, progress=False, stats=stats, indices=mine)
         if sync is not None:
             sync.release()
         t2 = time.perf_counter()
@@ -176,13 +204,15 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
                 f.write(json.dumps(m, sort_keys=True) + "\n")
             if tracker is not None:
                 tracker(m, step)
-            if done % tcfg.get("checkpoint_every", 1) == 0 or done == tcfg["steps"]:
-                save_checkpoint(ckpt, done, policy, critic, actor_opt, critic_opt)
+        if done % tcfg.get("checkpoint_every", 1) == 0 or done == tcfg["steps"]:  # collective when sharded
+            save_checkpoint(ckpt, done, policy, critic, actor_opt, critic_opt, write=rank == 0)
         if world > 1:
             torch.distributed.barrier()  # no rank runs ahead of a checkpoint that may be resumed from
         if stop_after is not None and done - start >= stop_after:
             return history
+    # exported in train.dtype (what evaluation and vLLM load); the checkpoint keeps the fp32 master weights
+    state = {k: v.to(DTYPES[dtype]) for k, v in parallel.full_state_dict(policy).items()}  # collective if sharded
     if rank == 0:
-        policy.save_pretrained(out / "model", safe_serialization=True)
+        parallel.unwrap(policy).save_pretrained(out / "model", state_dict=state, safe_serialization=True)
         tok.save_pretrained(out / "model")
     return history

@@ -19,6 +19,16 @@ backpropagates the episodes of the minibatch it holds (possibly none), each divi
 minibatch size, and the gradients are summed over ranks before clipping. Advantages are normalised
 with the batch's global mean and std. So world size W gives the update of one process on the same
 episodes, up to the order of floating-point sums.
+
+Precision and sharding (`memopd.train.parallel`): policy and critic are fp32 parameters with fp32
+AdamW state; with dtype bfloat16 every policy / critic / reference forward runs under bf16 autocast,
+the update's and the scoring's alike (one function, `actor_forward`), so the ratio of the first
+minibatch is exactly 1. The reference is a frozen copy of the policy in the same precision and sharding
+(its KL penalty is exactly 0 at the first step); the frozen teacher stays in `train.dtype` (bf16 at
+paper scale) without autocast: inference only, its distribution is a target, never in a ratio.
+With FSDP (`parallel.Root` models) every forward and backward is a collective, so each rank runs as
+many passes per minibatch as the rank holding most of its episodes (extra ones with a zero loss), and
+scoring runs with the full parameters gathered (`parallel.gathered`).
 """
 from __future__ import annotations
 
@@ -32,9 +42,10 @@ import torch.distributed as dist
 from memopd.attention import packed_hidden
 from memopd.losses import (action_logprobs_entropy, actor_loss, gae, opd_loss, reference_penalty, token_rewards,
                            value_loss)
-from memopd.packing import pack
+from memopd.packing import Packed, pack
 from memopd.rce import RCEError, guard
 from memopd.records import Episode
+from memopd.train.parallel import autocast, call, clip_grad_norm, gathered, is_sharded
 
 METHODS = ("ppo", "memopd", "memopd_persistent")
 
@@ -81,10 +92,26 @@ class PPOConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose from {METHODS}")
+        autocast(torch.device("cpu"), self.dtype)  # refuses a dtype training does not support
 
 
 def _head(model):
     return model.get_output_embeddings()
+
+
+def actor_forward(lm, p: Packed, backend: str, chunk_size: int, teach_rows: torch.Tensor | None = None,
+                  teacher_hidden: torch.Tensor | None = None, teacher_head=None):
+    """The policy on one packed episode: (N,) log-probs and (N,) entropies of the sampled actions, and
+    (OPD loss, metrics) at `teach_rows` when a teacher is given, else None. pi_old, the reference and
+    the update all score through this function (under the caller's autocast), so their precision
+    paths are the same."""
+    dev = next(lm.parameters()).device
+    h = packed_hidden(lm, p, backend)
+    logp, ent = action_logprobs_entropy(h, _head(lm), p.targets.to(dev), chunk_size)
+    opd = None
+    if teacher_hidden is not None:
+        opd = opd_loss(h[teach_rows.to(dev)], _head(lm), teacher_hidden, teacher_head, chunk_size)
+    return logp, ent, opd
 
 
 def world_size() -> int:
@@ -125,19 +152,21 @@ def global_mean_std(x: torch.Tensor) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def score_batch(episodes: list[Episode], policy, ref, critic: ValueModel, teacher, cfg: PPOConfig,
+def score_batch(episodes: list[Episode], policy, ref, critic, teacher, cfg: PPOConfig,
                 ids: list[int] | None = None) -> list[dict]:
     """Behaviour, reference, value and teacher quantities at the sampled action tokens, per episode.
-    `ids[e]`: episode e's position in the batch (seeds the teacher-call selection; default e)."""
+    `ids[e]`: episode e's position in the batch (seeds the teacher-call selection; default e).
+    Policy, reference and critic: replicas or sharded (`parallel.Root`, then call it inside
+    `parallel.gathered`)."""
     ids = list(range(len(episodes))) if ids is None else ids
     dev = next(policy.parameters()).device
     out = []
     for e, ep in zip(ids, episodes):
         p = pack(ep, teacher=cfg.teacher_select, seed=cfg.seed + e)
-        targets = p.targets.to(dev)
-        old_logp, _ = action_logprobs_entropy(packed_hidden(policy, p, cfg.backend), _head(policy), targets, cfg.chunk_size)
-        ref_logp, _ = action_logprobs_entropy(packed_hidden(ref, p, cfg.backend), _head(ref), targets, cfg.chunk_size)
-        values = critic.values(p, cfg.backend)
+        with autocast(dev, cfg.dtype):  # the update's precision path
+            old_logp = call(policy, lambda m: actor_forward(m, p, cfg.backend, cfg.chunk_size)[0])
+            ref_logp = call(ref, lambda m: actor_forward(m, p, cfg.backend, cfg.chunk_size)[0])
+            values = call(critic, lambda m: m.values(p, cfg.backend))
         teach_rows = p.teacher_mask[p.action_index]  # (N,) which action tokens the teacher scores
         teacher_hidden = None
         if cfg.method != "ppo" and teach_rows.any():
@@ -169,7 +198,8 @@ def _rce_check(policy, episodes: list[Episode], cfg: PPOConfig) -> float:
     sample = random.Random(cfg.seed).sample(episodes, min(cfg.rce_sample, len(episodes)))
     err, value = None, 0.0
     try:
-        value = guard(policy, sample, cfg.backend, dtype=cfg.dtype)["max_abs_dlogp"]  # names episode and call
+        with autocast(next(policy.parameters()).device, cfg.dtype):  # the precision the update computes in
+            value = call(policy, lambda m: guard(m, sample, cfg.backend, dtype=cfg.dtype))["max_abs_dlogp"]
     except RCEError as e:
         err = e
     reports = gather((value, None if err is None else str(err)))
@@ -181,61 +211,85 @@ def _rce_check(policy, episodes: list[Episode], cfg: PPOConfig) -> float:
     return max(v for v, _ in reports)
 
 
-def ppo_update(episodes: list[Episode], policy, ref, critic: ValueModel, teacher, actor_opt, critic_opt,
+def minibatch_plan(idx: list[int], local: dict[int, int], owners: list[list[int]],
+                   pad: bool) -> list[tuple[int, bool]]:
+    """This rank's passes for minibatch `idx` (batch positions): (index into its episodes, real?).
+    `local`: this rank's batch position -> index; `owners[r]`: rank r's batch positions. With `pad`
+    (FSDP: every forward and backward is a collective) every rank runs as many passes as the rank
+    holding most of the minibatch, the extra ones on its first episode with a zero loss (so every rank
+    needs one episode: train_run requires batch_tasks >= ranks)."""
+    mine = [(local[g], True) for g in idx if g in local]
+    if not pad:
+        return mine
+    most = max(sum(g in set(o) for g in idx) for o in owners)
+    return mine + [(0, False)] * (most - len(mine))
+
+
+def ppo_update(episodes: list[Episode], policy, ref, critic, teacher, actor_opt, critic_opt,
                cfg: PPOConfig, ids: list[int] | None = None) -> dict:
     """One training step on recorded episodes; returns metrics averaged over the whole batch (every
     rank). With several ranks, `episodes` are this rank's share and `ids` their positions in the batch
-    (default: the whole batch, in order)."""
+    (default: the whole batch, in order). Policy, reference and critic are all replicas (fp32, the
+    gradients summed by `allreduce_grads`) or all FSDP-sharded `parallel.Root`s."""
     ids = list(range(len(episodes))) if ids is None else list(ids)
-    n_total = sum(gather(len(ids)))
+    owners = gather(ids)
+    n_total = sum(len(o) for o in owners)
     local = {g: i for i, g in enumerate(ids)}  # batch position -> index into `episodes`
+    sharded = is_sharded(policy)
     metrics: dict[str, float] = {}
-    if cfg.rce_sample:
-        metrics["rce/max_abs_dlogp"] = _rce_check(policy, episodes, cfg)
-    t0 = time.perf_counter()
-    scored = score_batch(episodes, policy, ref, critic, teacher, cfg, ids=ids)
+    with gathered(policy, ref, critic):  # sharded: ranks may score different numbers of episodes
+        if cfg.rce_sample:
+            metrics["rce/max_abs_dlogp"] = _rce_check(policy, episodes, cfg)
+        t0 = time.perf_counter()
+        scored = score_batch(episodes, policy, ref, critic, teacher, cfg, ids=ids)
     advantages(scored, episodes, cfg)
     t_score = time.perf_counter() - t0
     mean, std = global_mean_std(torch.cat([s["advantages"] for s in scored]))
     lam = 0.0 if cfg.method == "ppo" else cfg.opd_coef
     dev = next(policy.parameters()).device
     sums: dict[str, list[float]] = {}
+    first_ratio_err = 0.0  # max |ratio - 1| over the first minibatch: 0 when scoring and update agree
     policy.train()
     critic.train()
     order = list(range(n_total))
     rng = random.Random(cfg.seed)  # the same minibatches on every rank
-    for _ in range(cfg.ppo_epochs):
+    for epoch in range(cfg.ppo_epochs):
         rng.shuffle(order)
         for mb in range(0, len(order), cfg.minibatch_episodes):
             idx = order[mb : mb + cfg.minibatch_episodes]
             actor_opt.zero_grad(set_to_none=True)
             critic_opt.zero_grad(set_to_none=True)
-            for i in (local[g] for g in idx if g in local):  # gradient accumulation over this rank's episodes
+            for i, real in minibatch_plan(idx, local, owners, pad=sharded):  # gradient accumulation
                 s = scored[i]
                 p = s["packed"]
-                h = packed_hidden(policy, p, cfg.backend)
-                logp, ent = action_logprobs_entropy(h, _head(policy), p.targets.to(dev), cfg.chunk_size)
-                opd = None
-                m_opd = {}
-                if lam and s["teacher_hidden"] is not None:
-                    opd, m_opd = opd_loss(h[s["teach_rows"].to(dev)], _head(policy), s["teacher_hidden"],
-                                          _head(teacher), cfg.chunk_size)
+                teach = lam and s["teacher_hidden"] is not None
+                with autocast(dev, cfg.dtype):
+                    logp, ent, opd = call(policy, lambda m: actor_forward(
+                        m, p, cfg.backend, cfg.chunk_size, s["teach_rows"], s["teacher_hidden"] if teach else None,
+                        _head(teacher)))
+                    values = call(critic, lambda m: m.values(p, cfg.backend))
+                opd, m_opd = opd if opd is not None else (None, {})
                 adv = ((s["advantages"] - mean) / std).to(dev)
                 a_loss, m_a = actor_loss(logp, s["old_logp"], adv, ent, opd, cfg.clip, cfg.entropy_coef, lam)
-                v_loss, m_v = value_loss(critic.values(p, cfg.backend), s["values"], s["returns"].to(dev),
-                                         clip=cfg.value_clip)
-                # divided by the global minibatch size: the sum over ranks is the minibatch mean
-                (a_loss / len(idx)).backward()
-                (v_loss / len(idx)).backward()
+                v_loss, m_v = value_loss(values, s["values"], s["returns"].to(dev), clip=cfg.value_clip)
+                # the one place of the loss scale: divided by the global minibatch size, the sum over
+                # ranks (allreduce_grads, or FSDP's reduce-scatter with divide factor 1) is the minibatch mean
+                scale = (1.0 if real else 0.0) / len(idx)
+                (a_loss * scale).backward()
+                (v_loss * scale).backward()
+                if not real:
+                    continue
+                if epoch == 0 and mb == 0:
+                    err = (logp.detach() - s["old_logp"]).exp().sub(1).abs().max().item()
+                    first_ratio_err = max(first_ratio_err, err)
                 for k, v in {**m_a, **m_v, **m_opd}.items():
                     sums.setdefault(k, []).append(float(v))
-            allreduce_grads(policy.parameters())
-            allreduce_grads(critic.parameters())
+            if not sharded:
+                allreduce_grads(policy.parameters())
+                allreduce_grads(critic.parameters())
             # the norms are of the summed gradients: identical on every rank, so are the steps
-            sums.setdefault("actor/grad_norm", []).append(
-                float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)))
-            sums.setdefault("critic/grad_norm", []).append(
-                float(torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)))
+            sums.setdefault("actor/grad_norm", []).append(clip_grad_norm(policy.parameters(), cfg.max_grad_norm))
+            sums.setdefault("critic/grad_norm", []).append(clip_grad_norm(critic.parameters(), cfg.max_grad_norm))
             actor_opt.step()
             critic_opt.step()
     policy.eval()
@@ -244,7 +298,7 @@ def ppo_update(episodes: list[Episode], policy, ref, critic: ValueModel, teacher
     metrics["time/update_s"] = time.perf_counter() - t0 - t_score
     mine = {"sums": sums, "packed": sum(len(s["packed"]) for s in scored),
             "actions": sum(s["old_logp"].numel() for s in scored),
-            "reward": sum(float(ep.reward or 0.0) for ep in episodes),
+            "reward": sum(float(ep.reward or 0.0) for ep in episodes), "first_ratio_err": first_ratio_err,
             "kl_ref": float(torch.cat([s["kl_ref"] for s in scored]).double().sum())}
     everyone = gather(mine)
     allsums: dict[str, list[float]] = {}
@@ -254,6 +308,7 @@ def ppo_update(episodes: list[Episode], policy, ref, critic: ValueModel, teacher
                 continue
             allsums.setdefault(k, []).extend(v)
     metrics.update({k: sum(v) / len(v) for k, v in allsums.items()})
+    metrics["ppo/first_ratio_err"] = max(o["first_ratio_err"] for o in everyone)
     metrics["tokens/packed"] = int(sum(o["packed"] for o in everyone))
     metrics["tokens/actions"] = int(sum(o["actions"] for o in everyone))
     metrics["reward/task"] = sum(o["reward"] for o in everyone) / n_total

@@ -60,11 +60,16 @@ def engine_model(llm) -> torch.nn.Module:
 
 
 def policy_weights(policy) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) of every policy weight, without a DDP-style `.module` wrapper and
-    without copies (vLLM casts to its dtype while loading)."""
+    """(Hugging Face name, tensor) of every policy weight, without a `.module` wrapper (DDP, or the
+    FSDP `parallel.Root`), the fp32 master weights as they are (vLLM casts to its dtype while loading).
+    FSDP shards are gathered one tensor at a time (`full_tensor`, a collective: every rank syncs its
+    engine at the same step, in the same order), so at most one whole tensor is alive beyond the engine's;
+    replicas are yielded without copies."""
+    from memopd.train.parallel import full_tensor
+
     module = getattr(policy, "module", policy)
     for name, t in module.state_dict().items():
-        yield name, t.detach()
+        yield name, full_tensor(t.detach())
 
 
 class WeightSync:
