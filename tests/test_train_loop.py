@@ -154,9 +154,14 @@ def test_cli_train_writes_metrics_and_exports_the_policy(setup, tmp_path):
 
     d, cfg = setup
     cfg = {**cfg, "train": {**cfg["train"], "steps": 1}}
+    # ppo scores no teacher: its run needs none (memopd methods refuse to start without one)
     main(["train", "--cfg", json.dumps(cfg), "--method", "ppo", "--seed", "1", "--student", str(d / "student"),
-          "--teacher", str(d / "teacher"), "--tasks", str(d / "q2_train.parquet"), "--index", str(d / "index"),
+          "--tasks", str(d / "q2_train.parquet"), "--index", str(d / "index"),
           "--out-dir", str(tmp_path / "run"), "--export", str(tmp_path / "export")])
+    with pytest.raises(ValueError, match="needs a teacher"):
+        main(["train", "--cfg", json.dumps(cfg), "--method", "memopd", "--seed", "1", "--student", str(d / "student"),
+              "--tasks", str(d / "q2_train.parquet"), "--index", str(d / "index"),
+              "--out-dir", str(tmp_path / "run2"), "--export", str(tmp_path / "export2")])
     lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 1 and lines[0]["world_size"] == 1 and lines[0]["method"] == "ppo"
     assert "time/sync_s" not in lines[0]  # no engine to sync with the hf backend

@@ -17,7 +17,8 @@ from workflow_helpers import REPO, dry_run_jobs, rule_kinds, snakemake, workflow
 # 5 seeds x 3 methods of training; evaluations: (3 SFT-stage models + 15 trained) x 4 benchmarks
 PAPER_JOBS = {"model_init": 2, "rce_smoke": 1, "fetch_corpus": 1, "sft_trajectories": 1, "sft_train": 2,
               "train": 15, "eval": 72, "all": 1}
-EMBEDDED_JOBS = {"tokenizer": 1, "model_init": 2, "rce_smoke": 1, "sft_train": 2, "train": 15, "eval": 72, "all": 1}
+EMBEDDED_JOBS = {"tokenizer": 1, "model_init": 2, "rce_smoke": 1, "sft_lm_data": 1, "sft_pretrain": 2, "sft_train": 2,
+                 "train": 15, "eval": 72, "all": 1}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_paper_dry_run_job_counts(paper_dry_run):
     jobs = dry_run_jobs(paper_dry_run)
     known, counts = _counts(jobs, PAPER_JOBS)
     assert known == PAPER_JOBS, counts
-    assert "tokenizer" not in counts
+    assert "tokenizer" not in counts and "sft_pretrain" not in counts  # pretrained models need neither
 
 
 def test_paper_jobs_request_resources_and_gpu_steps_request_gpus(paper_dry_run):

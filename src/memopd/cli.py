@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("train", cmd_train, "one PPO / MemOPD run (method, seed): rollouts, exact packed updates, checkpoints")
     sp.add_argument("--method", required=True, choices=["ppo", "memopd", "memopd_persistent"])
     sp.add_argument("--student", required=True, help="SFT student directory (policy, critic and reference init)")
-    sp.add_argument("--teacher", required=True, help="frozen teacher directory")
+    sp.add_argument("--teacher", help="frozen teacher directory (memopd methods; ppo uses none)")
     sp.add_argument("--tasks", required=True, help="training benchmark parquet")
     sp.add_argument("--index", required=True, help="retrieval index directory")
     sp.add_argument("--out-dir", required=True, help="run directory (metrics.jsonl, checkpoint/, model/)")

@@ -86,3 +86,16 @@ def check_resources_config():
     unknown = set(config["resources"]["rules"]) - {r.name for r in workflow.rules}
     if unknown:
         raise ValueError(f"config resources.rules names unknown steps: {sorted(unknown)}")
+
+
+def sft_init(wildcards):
+    """SFT starts from the role's LM pre-training when sft.pretrain gives it a budget, else from its init."""
+    stage = "lm" if (config["sft"].get("pretrain") or {}).get(wildcards.role) else "init"
+    return f"results/models/{wildcards.role}_{stage}/model.safetensors"
+
+
+def train_teacher(wildcards):
+    """The frozen teacher, for the methods that score it (`ppo` does not: its runs need not wait for it)."""
+    if wildcards.method == "ppo":
+        return {}
+    return {"teacher": f"results/models/{config['train']['teacher']}/model.safetensors"}

@@ -38,12 +38,6 @@ rule sft_examples:
         "--stats {output.stats} --table {output.table} > {log} 2>&1"
 
 
-def sft_init(wildcards):
-    """SFT starts from the role's LM pre-training when sft.pretrain gives it a budget, else from its init."""
-    stage = "lm" if (config["sft"].get("pretrain") or {}).get(wildcards.role) else "init"
-    return f"results/models/{wildcards.role}_{stage}/model.safetensors"
-
-
 rule sft_lm_data:
     input:
         src("records", "models", "cli", "sft/data", "sft/commands", "retrieval/corpus"),

@@ -9,8 +9,8 @@ TRAINED = [f"{m}_seed{s}" for m in TRAIN["methods"] for s in TRAIN["seeds"]]
 rule train:
     input:
         TRAIN_SRC,
+        unpack(train_teacher),
         student=f"results/models/{TRAIN['student']}/model.safetensors",
-        teacher=f"results/models/{TRAIN['teacher']}/model.safetensors",
         tasks=f"results/benchmarks/{TRAIN['benchmark']}.parquet",
         index=RETRIEVAL_INDEX,
         tracking=TRACKING_STORE,
@@ -25,7 +25,7 @@ rule train:
         tracking=cfg_json("tracking"),
         cfg=lambda w: json.dumps({k: config[k] for k in ("train", "agent", "rollout")}, sort_keys=True),
         student=lambda w, input: os.path.dirname(input.student),
-        teacher=lambda w, input: os.path.dirname(input.teacher),
+        teacher=lambda w, input: f"--teacher {os.path.dirname(input.teacher)}" if "teacher" in input.keys() else "",
         run_dir=lambda w, output: os.path.dirname(output.metrics),
         export=lambda w, output: os.path.dirname(output.model),
     log:
@@ -39,7 +39,7 @@ rule train:
         ENV_GPU
     shell:
         "{params.launch} train --cfg {params.cfg:q} --method {wildcards.method} --seed {wildcards.seed} "
-        "--student {params.student} --teacher {params.teacher} --tasks {input.tasks} --index {input.index} "
+        "--student {params.student} {params.teacher} --tasks {input.tasks} --index {input.index} "
         "--out-dir {params.run_dir} --export {params.export} --tracking {params.tracking:q} > {log} 2>&1"
 
 

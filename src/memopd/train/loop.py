@@ -106,7 +106,7 @@ def rollout_metrics(episodes) -> dict:
             "rollout/invalid_rate": sum(r[3] for r in rows) / max(1, calls)}
 
 
-def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teacher_dir: str | Path,
+def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teacher_dir: str | Path | None,
               tasks_path: str | Path, index_dir: str | Path, out_dir: str | Path, stop_after: int | None = None,
               tracker=None, log=print) -> list[dict]:
     """Train one (method, seed). `cfg` holds the `train`, `agent` and `rollout` sections.
@@ -142,8 +142,12 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     policy = load_model(student_dir, dtype="float32", device=str(device))
     ref = copy.deepcopy(policy).requires_grad_(False)  # frozen at the SFT initialisation
     critic = ValueModel(copy.deepcopy(policy))
-    # the frozen teacher stays in train.dtype: inference only (a target distribution, never in a ratio)
-    teacher = load_model(teacher_dir, dtype=dtype, device=str(device)).requires_grad_(False)
+    # the frozen teacher stays in train.dtype: inference only (a target distribution, never in a ratio);
+    # `ppo` never scores it, so it needs none (its jobs can start before the teacher's SFT ends)
+    if method != "ppo" and teacher_dir is None:
+        raise ValueError(f"method {method!r} needs a teacher")
+    teacher = (load_model(teacher_dir, dtype=dtype, device=str(device)).requires_grad_(False)
+               if method != "ppo" else None)
     shard = tcfg.get("shard", "none")
     if shard not in parallel.SHARDING:
         raise ValueError(f"train.shard {shard!r}: choose from {parallel.SHARDING}")

@@ -266,7 +266,7 @@ def ppo_update(episodes: list[Episode], policy, ref, critic, teacher, actor_opt,
                 with autocast(dev, cfg.dtype):
                     logp, ent, opd = call(policy, lambda m: actor_forward(
                         m, p, cfg.backend, cfg.chunk_size, s["teach_rows"], s["teacher_hidden"] if teach else None,
-                        _head(teacher)))
+                        _head(teacher) if teach else None))
                     values = call(critic, lambda m: m.values(p, cfg.backend))
                 opd, m_opd = opd if opd is not None else (None, {})
                 adv = ((s["advantages"] - mean) / std).to(dev)
