@@ -86,6 +86,7 @@ rule sft_pretrain:
         f"{LOGS}/sft_pretrain_{{role}}.log",
     benchmark:
         f"{LOGS}/bench/sft_pretrain_{{role}}.tsv"
+    priority: 10  # the longest chain of the DAG (the teacher's): start it before anything that can wait
     threads: job_threads("sft_pretrain")
     resources:
         **job_resources("sft_pretrain"),
@@ -118,6 +119,7 @@ rule sft_train:
         f"{LOGS}/sft_train_{{role}}.log",
     benchmark:
         f"{LOGS}/bench/sft_train_{{role}}.tsv"
+    priority: 10  # the longest chain of the DAG (the teacher's): start it before anything that can wait
     threads: job_threads("sft_train")
     resources:
         **job_resources("sft_train"),
