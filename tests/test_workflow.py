@@ -70,7 +70,7 @@ def test_rce_command_writes_the_contract(tmp_path):
                          env=ENV, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     rep = json.loads(out.read_text())
-    assert rep["dtype"] == "float32" and rep["tolerance"] == 1e-5 and rep["config"]["episodes"] == 5
+    assert rep["dtype"] == "float32" and rep["tolerance"] == 1e-4 and rep["config"]["episodes"] == 5
     for name in cfg["backends"]:
         r = rep["backends"][name]
         assert set(r) >= {"max_abs_dlogp", "p99_abs_dlogp", "mean_abs_dlogp", "max_abs_dlogit", "top1_agreement",

@@ -13,7 +13,10 @@ from memopd.packing import Packed, pack
 from memopd.records import Episode
 
 # Tolerance on max |d log p| of the sampled token, by compute dtype (fp32 floor ~1e-6; bf16 ~1e-2).
-TOLERANCES = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 5e-2}
+# fp32: the floor grows with the logit scale (9.5e-7 on random-init tiny models, up to 4e-5 on the SFT student
+# whose logits reach |20|: reduction order only); 1e-4 keeps > 1000x below the smallest structural error
+# (~0.4 nats: a call cut off from q), so noise never stops a run and a broken state always does
+TOLERANCES = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
 
 
 class RCEError(AssertionError):
