@@ -18,6 +18,7 @@ import torch
 
 from memopd.attention import independent_hidden, lm_logits, packed_hidden, token_logprobs
 from memopd.packing import pack
+from memopd.rce import TOLERANCES
 from memopd.records import Episode
 from memopd.synthetic import random_episode
 
@@ -177,7 +178,10 @@ def summarize(rows: list[dict]) -> list[str]:
     lines = []
     for kind, T, P in sorted({(r.get("episodes", "synthetic"), r["calls"], r["prefix_tokens"]) for r in rows}):
         cfg_rows = [r for r in rows if (r.get("episodes", "synthetic"), r["calls"], r["prefix_tokens"]) == (kind, T, P)
-                    and r["path"].startswith("packed_") and r["rce_max_abs_dlogp"] <= 1e-5]
+                    and r["path"].startswith("packed_") and r["rce_max_abs_dlogp"] <= TOLERANCES["float32"]]
+        if not cfg_rows:
+            lines.append(f"{kind:<9} T={T:>2} prefix={P:>3}: no packed path within the fp32 RCE tolerance")
+            continue
         R = cfg_rows[0]["token_ratio"]
         best = {p: max((r for r in cfg_rows if r["pass"] == p), key=lambda r: r["speedup_vs_batched"])
                 for p in ("forward", "forward_backward")}

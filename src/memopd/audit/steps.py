@@ -334,11 +334,13 @@ def packing_step(cfg: dict, model_dir: str, episodes_path: str, out: str, figure
 
 
 def _packing_figure(rows: list[dict], path: str) -> None:
+    from memopd.rce import TOLERANCES
+
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4.5))
     best = {}
     for r in rows:
-        if r["path"].startswith("packed_") and r["rce_max_abs_dlogp"] <= 1e-5:
+        if r["path"].startswith("packed_") and r["rce_max_abs_dlogp"] <= TOLERANCES["float32"]:
             k = (r["episodes"], r["calls"], r["prefix_tokens"], r["pass"])
             if k not in best or r["speedup_vs_batched"] > best[k]["speedup_vs_batched"]:
                 best[k] = r
