@@ -40,7 +40,7 @@ rule sft_examples:
 
 rule sft_lm_data:
     input:
-        src("records", "models", "cli", "sft/data", "sft/commands", "retrieval/corpus"),
+        src("records", "models", "cli", "sft/data", "sft/commands", "retrieval/base", "retrieval/corpus"),
         corpus="results/retrieval/corpus.parquet",
         tokenizer="results/models/tokenizer/tokenizer.json",
     output:

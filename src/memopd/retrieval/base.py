@@ -29,12 +29,17 @@ class Retriever(ABC):
         ...
 
 
+def passage_text(title: str, text: str) -> str:
+    """One passage as the agent reads it (after its `Doc i ` number): `(Title: title) text`."""
+    return f"(Title: {title}) {text}"
+
+
 def format_passages(hits: Sequence[Hit]) -> str:
     """Passages for the agent's <information> block, one per line: `Doc i (Title: title) text`
     (MEM1 / Search-R1 layout, numbered from 1); "No results." when there are none."""
     if not hits:
         return "No results."
-    return "\n".join(f"Doc {i} (Title: {h.title}) {h.text}" for i, h in enumerate(hits, 1))
+    return "\n".join(f"Doc {i} {passage_text(h.title, h.text)}" for i, h in enumerate(hits, 1))
 
 
 def write_index_dir(out_dir, write_backend, ids, titles, texts, meta: dict) -> None:

@@ -73,13 +73,14 @@ def cmd_sft_lm_data(args, cfg):
     curriculum of `sft.pretrain.copy`."""
     from memopd.models import load_tokenizer
     from memopd.records import save_episodes
+    from memopd.retrieval.base import passage_text
     from memopd.retrieval.corpus import read_corpus
     from memopd.sft.data import copy_examples, lm_examples
 
     pre = cfg.get("pretrain") or {}
     corpus = read_corpus(args.corpus)
     tok = load_tokenizer(args.tokenizer)
-    texts = [f"(Title: {t}) {x}" for t, x in zip(corpus["title"], corpus["text"])]
+    texts = [passage_text(t, x) for t, x in zip(corpus["title"], corpus["text"])]
     ids = [x + [tok.eos_token_id] for x in tok(texts, add_special_tokens=False)["input_ids"]]
     examples = lm_examples(ids, cfg["seq_len"], corpus["id"]) if pre.get("lm_text", True) else []
     copy = pre.get("copy") or {}
