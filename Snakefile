@@ -39,3 +39,4 @@ rule all:
 
 
 check_resources_config()
+check_eval_config()

@@ -43,7 +43,7 @@ def test_eval_cli_writes_contract(tmp_path, monkeypatch):
            "eval": {"max_tasks": 4, "temperature": 0.0}}
     out = tmp_path / "eval/student/q2_test.json"
     main(["eval", "--cfg", json.dumps(cfg), "--seed", "1", "--model", str(model_dir), "--benchmark",
-          str(tmp_path / "q2_test.parquet"), "--index", "unused", "--out", str(out)])
+          str(tmp_path / "q2_test.parquet"), "--index", "unused", "--out-dir", str(out.parent)])
     res = json.loads(out.read_text())
     assert CONTRACT <= set(res) and res["episodes"] == 4
     assert 0 <= res["em"] <= 1 and 0 <= res["f1"] <= 1 and res["calls_per_episode"] == 3  # random init: no answers
@@ -52,6 +52,33 @@ def test_eval_cli_writes_contract(tmp_path, monkeypatch):
     assert len(eps) == 4 and res == {**res, **aggregate(eps, res["inference_time_total_s"])}
     rows = out.with_suffix(".csv").read_text().splitlines()
     assert len(rows) == 5 and rows[0].startswith("task_id,reward,em,f1")
+
+
+def test_eval_several_benchmarks_equal_separate_runs(tmp_path, monkeypatch):
+    """One job over several benchmarks (the pipeline's eval step) gives each benchmark exactly what a run
+    on it alone gives: its own task limit and sampling (here greedy on one, sampled on the other)."""
+    model_dir = tmp_path / "student"
+    random_student(0).save_pretrained(model_dir)
+    tokenizer().save_pretrained(model_dir)
+    _benchmark(tmp_path / "q2_test.parquet", n=4)
+    _benchmark(tmp_path / "q8_test.parquet", n=5)
+    monkeypatch.setattr(evaluate, "load_retriever", lambda path: retriever())
+    cfg = {"agent": {"rule": "summary_replacement", "turns": {"default": 2}, "invalid_action": "continue",
+                     "max_observation_tokens": 16},
+           "rollout": {"backend": "hf", "dtype": "float32", "batch_size": 4, "max_new_tokens": 8, "temperature": 1.0},
+           "eval": {"max_tasks": {"default": 2, "q8_test": 3}, "temperature": {"default": 0.0, "q8_test": 1.0},
+                    "max_new_tokens": {"default": 6, "q8_test": 9}}}
+
+    def run(out, *benches):
+        main(["eval", "--cfg", json.dumps(cfg), "--seed", "3", "--model", str(model_dir), "--benchmark",
+              *(str(tmp_path / f"{b}.parquet") for b in benches), "--index", "unused", "--out-dir", str(out)])
+
+    run(tmp_path / "both", "q8_test", "q2_test")
+    for b, n, max_new in (("q2_test", 2, 6), ("q8_test", 3, 9)):
+        run(tmp_path / f"alone_{b}", b)
+        both, alone = (load_episodes(tmp_path / d / f"{b}.episodes.parquet") for d in ("both", f"alone_{b}"))
+        assert len(both) == n and [e.invocations for e in both] == [e.invocations for e in alone]
+        assert max(len(i.output_ids) for e in both for i in e.invocations) == max_new  # its own budget
 
 
 @pytest.mark.parametrize("cfg_file", ["config/config.yaml", "config/paper.yaml"])

@@ -14,11 +14,11 @@ from workflow_helpers import REPO, dry_run_jobs, rule_kinds, snakemake, workflow
 
 # Jobs of `all` per rule. Paper scale: pretrained models bring their tokenizer, so no tokenizer job.
 # A rule added to the DAG gets its count here (the resource checks below already cover it).
-# 5 seeds x 3 methods of training; evaluations: (3 SFT-stage models + 15 trained) x 4 benchmarks
+# 5 seeds x 3 methods of training; evaluations: one job per model (3 SFT-stage + 15 trained) over its benchmarks
 PAPER_JOBS = {"model_init": 2, "rce_smoke": 1, "fetch_corpus": 1, "sft_trajectories": 1, "sft_train": 2,
-              "train": 15, "eval": 72, "all": 1}
+              "train": 15, "eval": 18, "all": 1}
 EMBEDDED_JOBS = {"tokenizer": 1, "model_init": 2, "rce_smoke": 1, "sft_lm_data": 1, "sft_pretrain": 2, "sft_train": 2,
-                 "train": 15, "eval": 72, "all": 1}
+                 "train": 15, "eval": 18, "all": 1}
 
 
 @pytest.fixture(scope="module")

@@ -159,32 +159,48 @@ def _agent_setup(args, cfg, **sampling):
 
 
 def cmd_eval(args, cfg):
-    from memopd.agent.evaluate import episode_rows, evaluate
+    """Every benchmark of one model in one process: the model, tokenizer and index load once (on the
+    embedded default, loading and imports were ~10 s of each ~12 s per-benchmark job)."""
+    import torch
+
+    from memopd.agent.evaluate import (episode_rows, evaluate, load_retriever, load_tasks, make_backend,
+                                       make_sampling)
+    from memopd.agent.rollout import AgentConfig
     from memopd.records import save_episodes
-
-    ev = cfg.get("eval", {})
-    bench = Path(args.benchmark).stem
-
-    def per_benchmark(value):  # an int, or {benchmark file name: int, default: int}
-        return value.get(bench, value.get("default")) if isinstance(value, dict) else value
-
-    overrides = {k: per_benchmark(ev[k]) for k in ("temperature", "max_new_tokens") if k in ev}
-    args.limit = args.limit or per_benchmark(ev.get("max_tasks"))
-    backend, tok, _, tasks, retriever, agent = _agent_setup(args, cfg, **overrides)
     from memopd.tracking import tracked
 
-    with tracked(args.tracking, f"eval-{Path(args.model).name}-{bench}", cfg, stage="eval",
-                 model=Path(args.model).name, seed=args.seed) as run:
-        out, episodes = evaluate(tasks, backend, tok, retriever, agent, seed=args.seed)
-        run.log_metrics({k: v for k, v in out.items() if isinstance(v, (int, float))}, 0)
-    out.update(model=args.model, benchmark=args.benchmark, backend=backend.name, config={**cfg, "seed": args.seed})
-    out_path = Path(args.out)
-    _write_json(out_path, out)
-    _write_csv(out_path.with_suffix(".csv"), episode_rows(episodes))
-    save_episodes(out_path.with_suffix(".episodes.parquet"), episodes)
-    print(f"{len(episodes)} episodes: EM {out['em']:.3f} F1 {out['f1']:.3f} calls/ep {out['calls_per_episode']:.2f} "
-          f"invalid {out['invalid_action_rate']:.3f} peak {out['peak_context_tokens']:.0f} "
-          f"{out['throughput']['episodes_per_s']:.2f} ep/s {out['throughput']['generated_tokens_per_s']:.0f} tok/s")
+    ev = cfg.get("eval", {})
+    stems = [Path(b).stem for b in args.benchmark]
+    if len(set(stems)) != len(stems):
+        raise SystemExit(f"eval: two benchmarks write the same outputs: {stems}")
+
+    def per_benchmark(value, bench):  # an int, or {benchmark file name: int, default: int}
+        return value.get(bench, value.get("default")) if isinstance(value, dict) else value
+
+    def overrides(bench):
+        return {k: per_benchmark(ev[k], bench) for k in ("temperature", "max_new_tokens") if k in ev}
+
+    backend, tok, _ = make_backend(cfg["rollout"], args.model, seed=args.seed, **overrides(stems[0]))
+    agent = AgentConfig.from_dict(cfg["agent"], batch_size=cfg["rollout"]["batch_size"])
+    retriever = load_retriever(args.index)
+    out_dir = Path(args.out_dir)
+    for path, bench in zip(args.benchmark, stems):
+        torch.manual_seed(args.seed)  # as if each benchmark ran alone
+        backend.sampling = make_sampling(cfg["rollout"], **overrides(bench))
+        tasks = load_tasks(path, limit=args.limit or per_benchmark(ev.get("max_tasks"), bench))
+        with tracked(args.tracking, f"eval-{Path(args.model).name}-{bench}", cfg, stage="eval",
+                     model=Path(args.model).name, seed=args.seed) as run:
+            out, episodes = evaluate(tasks, backend, tok, retriever, agent, seed=args.seed)
+            run.log_metrics({k: v for k, v in out.items() if isinstance(v, (int, float))}, 0)
+        out.update(model=args.model, benchmark=path, backend=backend.name, config={**cfg, "seed": args.seed})
+        out_path = out_dir / f"{bench}.json"
+        _write_json(out_path, out)
+        _write_csv(out_path.with_suffix(".csv"), episode_rows(episodes))
+        save_episodes(out_path.with_suffix(".episodes.parquet"), episodes)
+        print(f"{bench}: {len(episodes)} episodes: EM {out['em']:.3f} F1 {out['f1']:.3f} "
+              f"calls/ep {out['calls_per_episode']:.2f} invalid {out['invalid_action_rate']:.3f} "
+              f"peak {out['peak_context_tokens']:.0f} {out['throughput']['episodes_per_s']:.2f} ep/s "
+              f"{out['throughput']['generated_tokens_per_s']:.0f} tok/s")
 
 
 def cmd_rce_rollouts(args, cfg):
@@ -411,8 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--limit", type=int, help="first N tasks only")
         sp.add_argument("--out", required=True)
 
-    sp = add("eval", cmd_eval, "roll the agent out on a benchmark: aggregate JSON + per-episode CSV + episodes")
-    agent_args(sp)
+    sp = add("eval", cmd_eval, "roll the agent out on benchmarks: per benchmark an aggregate JSON, a "
+             "per-episode CSV and the episodes, under --out-dir")
+    sp.add_argument("--model", required=True, help="model directory")
+    sp.add_argument("--benchmark", required=True, nargs="+", help="benchmark parquets (results/benchmarks/*.parquet)")
+    sp.add_argument("--index", required=True, help="retrieval index directory (memopd.retrieval)")
+    sp.add_argument("--limit", type=int, help="first N tasks of every benchmark (default: eval.max_tasks)")
+    sp.add_argument("--out-dir", required=True, help="writes {benchmark}.json, .csv and .episodes.parquet here")
     sp.add_argument("--tracking", help="JSON of the `tracking` config section (uri, experiment); omit: no MLflow")
     sp = add("rce-rollouts", cmd_rce_rollouts, "RCE of real rollouts under every memory-rewrite rule")
     agent_args(sp)

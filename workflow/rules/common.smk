@@ -88,6 +88,16 @@ def check_resources_config():
         raise ValueError(f"config resources.rules names unknown steps: {sorted(unknown)}")
 
 
+def check_eval_config():
+    """The eval step writes one file per benchmark of eval.benchmarks: the trained runs' horizons and the
+    SFT summary's q2_test must be among them (else no rule could make their evaluations)."""
+    needed = set(config["train"]["horizons"]) | {"q2_test"}
+    missing = needed - set(config["eval"]["benchmarks"])
+    if missing:
+        raise ValueError(f"config eval.benchmarks lacks {sorted(missing)} (train.horizons and the SFT summary "
+                         "read them)")
+
+
 def sft_init(wildcards):
     """SFT starts from the role's LM pre-training when sft.pretrain gives it a budget, else from its init."""
     stage = "lm" if (config["sft"].get("pretrain") or {}).get(wildcards.role) else "init"

@@ -5,29 +5,32 @@
 AGENT_SRC = src("agent/__init__", "agent/protocol", "agent/memory", "agent/backends", "agent/rollout",
                 "agent/evaluate", "records", "cli")
 RETRIEVAL_INDEX = "results/retrieval/index"
+EVAL_BENCHMARKS = config["eval"]["benchmarks"]
 
 
 rule eval:
+    # one job per model over every benchmark: the model, tokenizer and index load once
     input:
         AGENT_SRC,
         model="results/models/{model}/model.safetensors",
-        benchmark="results/benchmarks/{benchmark}.parquet",
+        benchmarks=expand("results/benchmarks/{benchmark}.parquet", benchmark=EVAL_BENCHMARKS),
         index=RETRIEVAL_INDEX,
         tracking=TRACKING_STORE,
     output:
-        json="results/eval/{model}/{benchmark}.json",
-        csv="results/eval/{model}/{benchmark}.csv",
-        episodes="results/eval/{model}/{benchmark}.episodes.parquet",
+        json=expand("results/eval/{{model}}/{benchmark}.json", benchmark=EVAL_BENCHMARKS),
+        csv=expand("results/eval/{{model}}/{benchmark}.csv", benchmark=EVAL_BENCHMARKS),
+        episodes=expand("results/eval/{{model}}/{benchmark}.episodes.parquet", benchmark=EVAL_BENCHMARKS),
     params:
         memopd=MEMOPD,
         tracking=cfg_json("tracking"),
         cfg=lambda w: json.dumps({k: config[k] for k in ("agent", "rollout", "eval")}, sort_keys=True),
         seed=config["seed"],
         model=lambda w, input: os.path.dirname(input.model),
+        outdir=lambda w: f"results/eval/{w.model}",
     log:
-        f"{LOGS}/eval_{{model}}_{{benchmark}}.log",
+        f"{LOGS}/eval_{{model}}.log",
     benchmark:
-        f"{LOGS}/bench/eval_{{model}}_{{benchmark}}.tsv"
+        f"{LOGS}/bench/eval_{{model}}.tsv"
     threads: job_threads("eval")
     resources:
         **job_resources("eval"),
@@ -35,7 +38,8 @@ rule eval:
         ENV_GPU
     shell:
         "{params.memopd} eval --cfg {params.cfg:q} --seed {params.seed} --model {params.model} "
-        "--benchmark {input.benchmark} --index {input.index} --out {output.json} --tracking {params.tracking:q} > {log} 2>&1"
+        "--benchmark {input.benchmarks} --index {input.index} --out-dir {params.outdir} "
+        "--tracking {params.tracking:q} > {log} 2>&1"
 
 
 rule eval_all:

@@ -75,7 +75,7 @@ def main() -> None:
         ev_cfg = {k: cfg[k] for k in ("agent", "rollout", "eval")}
         memopd("eval", "--cfg", json.dumps(ev_cfg), "--seed", seed, "--model", str(d / "sft"),
                "--benchmark", str(R / "benchmarks/q2_test.parquet"), "--index", str(R / "retrieval/index"),
-               "--out", str(d / "q2_test.json"), "--limit", str(args.tasks))
+               "--out-dir", str(d), "--limit", str(args.tasks))
         ev, held = (json.loads((d / f).read_text()) for f in ("q2_test.json", "heldout.json"))
         info = json.loads((d / "sft/memopd_model.json").read_text())
         rows.append({"variant": name, "pretrain": json.dumps(pre), "sft": json.dumps(sft_role),

@@ -38,11 +38,16 @@ def load_retriever(path: str | Path):
     return load(path)
 
 
+def make_sampling(rollout_cfg: dict, **overrides) -> Sampling:
+    """Sampling parameters of the `rollout` config section, with per-step overrides (e.g. eval's greedy)."""
+    return Sampling(**{**{k: rollout_cfg[k] for k in SAMPLING_KEYS if k in rollout_cfg}, **overrides})
+
+
 def make_backend(rollout_cfg: dict, model_dir: str | Path, seed: int = 0, **sampling_overrides):
     """The generation backend named by the `rollout` config section (`hf` or `vllm`)."""
     from memopd.models import load_model, load_tokenizer
 
-    sampling = Sampling(**{**{k: rollout_cfg[k] for k in SAMPLING_KEYS if k in rollout_cfg}, **sampling_overrides})
+    sampling = make_sampling(rollout_cfg, **sampling_overrides)
     tok = load_tokenizer(model_dir)
     if rollout_cfg.get("backend", "hf") == "vllm":
         v = rollout_cfg.get("vllm", {})
