@@ -86,13 +86,12 @@ def test_config_sections_build(cfg_file):
     import yaml
 
     from agent_support import ROOT
-    from memopd.agent.backends import Sampling
     from memopd.agent.rollout import AgentConfig
 
     cfg = yaml.safe_load((ROOT / cfg_file).read_text())
     agent = AgentConfig.from_dict(cfg["agent"], batch_size=cfg["rollout"]["batch_size"])
     assert agent.max_turns("q16_test") > agent.max_turns("q8_test") > agent.max_turns("q2_test")
-    Sampling(**{k: cfg["rollout"][k] for k in evaluate.SAMPLING_KEYS if k in cfg["rollout"]})
+    evaluate.make_sampling(cfg["rollout"])
     with pytest.raises(ValueError):
         AgentConfig.from_dict({**cfg["agent"], "bogus": 1})
 

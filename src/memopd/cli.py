@@ -145,17 +145,16 @@ def cmd_retrieval_search(args, cfg):
 
 
 def _agent_setup(args, cfg, **sampling):
-    """Backend, tokenizer, model, tasks, retriever and agent config of the agent steps."""
-    from memopd.agent.evaluate import load_retriever, load_tasks, make_backend
+    """Backend, tokenizer, model, retriever and agent config of the agent steps."""
+    from memopd.agent.evaluate import load_retriever, make_backend
     from memopd.agent.rollout import AgentConfig
 
     import torch
 
     torch.manual_seed(args.seed)
     backend, tok, model = make_backend(cfg["rollout"], args.model, seed=args.seed, **sampling)
-    tasks = load_tasks(args.benchmark, limit=args.limit)
     agent = AgentConfig.from_dict(cfg["agent"], batch_size=cfg["rollout"]["batch_size"])
-    return backend, tok, model, tasks, load_retriever(args.index), agent
+    return backend, tok, model, load_retriever(args.index), agent
 
 
 def cmd_eval(args, cfg):
@@ -163,9 +162,7 @@ def cmd_eval(args, cfg):
     embedded default, loading and imports were ~10 s of each ~12 s per-benchmark job)."""
     import torch
 
-    from memopd.agent.evaluate import (episode_rows, evaluate, load_retriever, load_tasks, make_backend,
-                                       make_sampling)
-    from memopd.agent.rollout import AgentConfig
+    from memopd.agent.evaluate import episode_rows, evaluate, load_tasks, make_sampling
     from memopd.records import save_episodes
     from memopd.tracking import tracked
 
@@ -180,9 +177,7 @@ def cmd_eval(args, cfg):
     def overrides(bench):
         return {k: per_benchmark(ev[k], bench) for k in ("temperature", "max_new_tokens") if k in ev}
 
-    backend, tok, _ = make_backend(cfg["rollout"], args.model, seed=args.seed, **overrides(stems[0]))
-    agent = AgentConfig.from_dict(cfg["agent"], batch_size=cfg["rollout"]["batch_size"])
-    retriever = load_retriever(args.index)
+    backend, tok, _, retriever, agent = _agent_setup(args, cfg, **overrides(stems[0]))
     out_dir = Path(args.out_dir)
     for path, bench in zip(args.benchmark, stems):
         torch.manual_seed(args.seed)  # as if each benchmark ran alone
@@ -206,13 +201,13 @@ def cmd_eval(args, cfg):
 def cmd_rce_rollouts(args, cfg):
     from dataclasses import replace
 
-    from memopd.agent.evaluate import rce_rollouts
+    from memopd.agent.evaluate import load_tasks, rce_rollouts
     from memopd.agent.memory import RULES
     from memopd.models import load_model
 
     rc = cfg["rce_rollouts"]
-    args.limit = args.limit or rc["tasks"]
-    backend, tok, model, tasks, retriever, agent = _agent_setup(args, cfg, max_new_tokens=rc["max_new_tokens"])
+    backend, tok, model, retriever, agent = _agent_setup(args, cfg, max_new_tokens=rc["max_new_tokens"])
+    tasks = load_tasks(args.benchmark, limit=args.limit or rc["tasks"])
     if model is None or str(model.dtype).split(".")[-1] != rc["dtype"]:
         # the packed and independent passes run under transformers in the audit's dtype
         model = load_model(args.model, dtype=rc["dtype"])

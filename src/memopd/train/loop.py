@@ -112,8 +112,8 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     """Train one (method, seed). `cfg` holds the `train`, `agent` and `rollout` sections.
     `stop_after` ends the process after that many steps of this invocation (tests of resume).
     Under torchrun (WORLD_SIZE > 1) every rank calls this; only rank 0 writes files and calls `tracker`."""
-    from memopd.agent.backends import HFBackend, Sampling, VLLMBackend
-    from memopd.agent.evaluate import SAMPLING_KEYS, load_retriever, load_tasks
+    from memopd.agent.backends import HFBackend, VLLMBackend
+    from memopd.agent.evaluate import load_retriever, load_tasks, make_sampling
     from memopd.agent.rollout import AgentConfig, rollout
     from memopd.models import DTYPES, load_model, load_tokenizer
     from memopd.sft.trainer import dist_info, setup_distributed
@@ -128,7 +128,7 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     out.mkdir(parents=True, exist_ok=True)
     dtype = tcfg.get("dtype", "float32")
     tok = load_tokenizer(student_dir)
-    sampling = Sampling(**{k: rcfg[k] for k in SAMPLING_KEYS if k in rcfg})
+    sampling = make_sampling(rcfg)
     sync = None
     if rcfg.get("backend", "hf") == "vllm":  # the engine first: it sizes its memory from what is free
         from memopd.train.weight_sync import WeightSync, colocated_llm
