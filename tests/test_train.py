@@ -53,15 +53,6 @@ def test_one_step_runs_and_changes_the_weights(method):
         assert m["opd/loss"] > 0
 
 
-def test_lambda_zero_makes_memopd_identical_to_ppo():
-    states = []
-    for method in ("ppo", "memopd"):
-        policy, ref, critic, teacher, a_opt, c_opt = _setup()
-        ppo_update(_episodes(), policy, ref, critic, teacher, a_opt, c_opt, PPOConfig(method=method, opd_coef=0.0))
-        states.append(policy.state_dict())
-    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
-
-
 def test_the_matched_control_moves_only_the_teacher_state():
     policy, ref, critic, teacher, _, _ = _setup()
     eps = _episodes()

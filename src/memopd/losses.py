@@ -7,19 +7,17 @@ Full-vocabulary quantities (log-prob of the sampled token, entropy, reverse KL t
 computed from hidden states in chunks of rows, each chunk under activation checkpointing, so that at
 most one chunk of (chunk, V) logits per model is alive at a time, forward or backward: full logits for
 8k tokens at V = 151,936 would be ~5 GB per model in fp32.
+
+Every loss term is a token mean over the minibatch (`aggregate`): PPO, entropy and value over its
+sampled action tokens, OPD over its teacher-mask tokens (the paper's 1 / sum m_T). A long episode
+therefore weighs by its tokens, as in verl's "token-mean", and the OPD mean is over the minibatch's
+teacher tokens, not a mean of per-episode means.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    if mask is None:
-        return x.mean()
-    mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp_min(1.0)
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -68,41 +66,55 @@ def reverse_kl(student_hidden: torch.Tensor, student_head: torch.nn.Linear, teac
     return torch.cat(out)
 
 
-def opd_loss(student_hidden, student_head, teacher_hidden, teacher_head, chunk_size: int = 512):
+def aggregate(x: torch.Tensor, denom: float | None = None) -> torch.Tensor:
+    """The one aggregation of every loss term: sum of the (N,) per-token values / denom.
+
+    The trainer passes denom = the number of tokens of the term's mask in the whole *minibatch*
+    (sampled actions for PPO, entropy and value; teacher-mask rows for OPD), so that summing the
+    per-episode contributions gives the minibatch token mean, e.g. the paper's
+    L_OPD = (1 / sum_j m_T[j]) sum_j m_T[j] KL_j over the minibatch. denom None: the mean over x."""
+    if denom is None:
+        return x.mean() if x.numel() else x.sum()
+    return x.sum() / denom
+
+
+def opd_loss(student_hidden, student_head, teacher_hidden, teacher_head, chunk_size: int = 512,
+             denom: float | None = None):
     """L_OPD = (1 / sum m_T) sum_j m_T[j] KL(p_theta,j || p_T,j), over the rows given (the teacher-mask
-    positions). Student and teacher hidden states must come from the same tokens, positions and
-    visibility (the packed exact state for `memopd`)."""
+    positions; `denom` = sum m_T over the minibatch, see `aggregate`). Student and teacher hidden
+    states must come from the same tokens, positions and visibility (the packed exact state for
+    `memopd`)."""
     kl = reverse_kl(student_hidden, student_head, teacher_hidden, teacher_head, chunk_size)
-    loss = kl.mean() if kl.numel() else student_hidden.sum() * 0.0
+    loss = aggregate(kl, denom) if kl.numel() else student_hidden.sum() * 0.0
     return loss, {"opd/loss": loss.item(), "opd/kl_max": kl.max().item() if kl.numel() else 0.0,
                   "opd/positions": kl.numel()}
 
 
-def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor | None = None, clip: float = 0.2):
-    """Clipped PPO surrogate. (N,) each -> loss = mean_j max(-A r, -A clip(r, 1-c, 1+c)),
+def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip: float = 0.2,
+                    denom: float | None = None):
+    """Clipped PPO surrogate. (N,) each -> loss = agg_j max(-A r, -A clip(r, 1-c, 1+c)),
     r = exp(logp - old_logp); the behaviour snapshot old_logp is the rollout policy."""
     ratio = torch.exp(logp - old_logp)
     pg1 = -advantages * ratio
     pg2 = -advantages * ratio.clamp(1.0 - clip, 1.0 + clip)
-    loss = masked_mean(torch.maximum(pg1, pg2), mask)
+    loss = aggregate(torch.maximum(pg1, pg2), denom)
     clipped = (pg2 > pg1).float()
-    return loss, {"ppo/loss": loss.item(), "ppo/clipfrac": masked_mean(clipped, mask).item(),
-                  "ppo/approx_kl": masked_mean(old_logp - logp, mask).item(),
+    return loss, {"ppo/loss": loss.item(), "ppo/clipfrac": aggregate(clipped, denom).item(),
+                  "ppo/approx_kl": aggregate((old_logp - logp).detach(), denom).item(),
                   "ppo/ratio_max": ratio.max().item()}
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               mask: torch.Tensor | None = None, clip: float = 0.2):
-    """Clipped value loss 0.5 * mean max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2). (N,) each."""
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float = 0.2,
+               denom: float | None = None):
+    """Clipped value loss 0.5 * agg max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2). (N,) each."""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
-    loss = 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask)
-    return loss, {"value/loss": loss.item(), "value/clipfrac": masked_mean(
-        ((values - returns) ** 2 < (clipped - returns) ** 2).float(), mask).item()}
+    loss = 0.5 * aggregate(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), denom)
+    return loss, {"value/loss": loss.item(), "value/clipfrac": aggregate(
+        ((values - returns) ** 2 < (clipped - returns) ** 2).float(), denom).item()}
 
 
-def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor | None = None):
-    h = masked_mean(entropy, mask)
+def entropy_bonus(entropy: torch.Tensor, denom: float | None = None):
+    h = aggregate(entropy, denom)
     return h, {"actor/entropy": h.item()}
 
 
@@ -143,20 +155,12 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, episode: torch.Tensor, gamm
     return adv, adv + values
 
 
-def gae_packed(rewards: torch.Tensor, values: torch.Tensor, act_mask: torch.Tensor, segment: torch.Tensor,
-               gamma: float = 1.0, lam: float = 1.0):
-    """GAE on packed (L,) tensors: runs over the act_mask positions only (context copies and prefix
-    are skipped); returns (L,) advantages and returns, zero at non-action positions."""
-    idx = act_mask.nonzero().squeeze(-1)
-    adv, ret = gae(rewards[idx], values[idx], segment[idx], gamma, lam)
-    return (torch.zeros_like(rewards).index_put((idx,), adv), torch.zeros_like(rewards).index_put((idx,), ret))
-
-
 def actor_loss(logp, old_logp, advantages, entropy, opd: torch.Tensor | None, clip: float, entropy_coef: float,
-               opd_coef: float, mask=None):
-    """L_actor = L_PPO - alpha H + lambda L_OPD (lambda = 0: plain PPO)."""
-    pg, metrics = ppo_policy_loss(logp, old_logp, advantages, mask, clip)
-    h, m_h = entropy_bonus(entropy, mask)
+               opd_coef: float, denom: float | None = None):
+    """L_actor = L_PPO - alpha H + lambda L_OPD (lambda = 0: plain PPO). `opd` is already aggregated
+    over its own (teacher-mask) denominator; `denom` is the action-token count of PPO and entropy."""
+    pg, metrics = ppo_policy_loss(logp, old_logp, advantages, clip, denom)
+    h, m_h = entropy_bonus(entropy, denom)
     loss = pg - entropy_coef * h
     if opd is not None and opd_coef:
         loss = loss + opd_coef * opd

@@ -100,17 +100,18 @@ def _head(model):
 
 
 def actor_forward(lm, p: Packed, backend: str, chunk_size: int, teach_rows: torch.Tensor | None = None,
-                  teacher_hidden: torch.Tensor | None = None, teacher_head=None):
+                  teacher_hidden: torch.Tensor | None = None, teacher_head=None, opd_denom: float | None = None):
     """The policy on one packed episode: (N,) log-probs and (N,) entropies of the sampled actions, and
-    (OPD loss, metrics) at `teach_rows` when a teacher is given, else None. pi_old, the reference and
-    the update all score through this function (under the caller's autocast), so their precision
-    paths are the same."""
+    (OPD loss, metrics) at `teach_rows` (the teacher-mask rows of the N actions) when a teacher is
+    given, else None; the OPD sum is divided by `opd_denom` (the minibatch's teacher tokens). pi_old,
+    the reference and the update all score through this function (under the caller's autocast), so
+    their precision paths are the same."""
     dev = next(lm.parameters()).device
     h = packed_hidden(lm, p, backend)
     logp, ent = action_logprobs_entropy(h, _head(lm), p.targets.to(dev), chunk_size)
     opd = None
     if teacher_hidden is not None:
-        opd = opd_loss(h[teach_rows.to(dev)], _head(lm), teacher_hidden, teacher_head, chunk_size)
+        opd = opd_loss(h[teach_rows.to(dev)], _head(lm), teacher_hidden, teacher_head, chunk_size, opd_denom)
     return logp, ent, opd
 
 
@@ -225,12 +226,26 @@ def minibatch_plan(idx: list[int], local: dict[int, int], owners: list[list[int]
     return mine + [(0, False)] * (most - len(mine))
 
 
+MAX_METRICS = ("ppo/ratio_max", "opd/kl_max")  # combined by max; every other per-episode metric adds up
+
+
+def _combine(into: dict, metrics: dict) -> None:
+    """Add one episode's (or rank's) share of a minibatch's metrics: each loss term is already divided
+    by the minibatch's token count, so the shares sum to the minibatch value."""
+    for k, v in metrics.items():
+        v = float(v)
+        into[k] = max(into.get(k, v), v) if k in MAX_METRICS else into.get(k, 0.0) + v
+
+
 def ppo_update(episodes: list[Episode], policy, ref, critic, teacher, actor_opt, critic_opt,
                cfg: PPOConfig, ids: list[int] | None = None) -> dict:
-    """One training step on recorded episodes; returns metrics averaged over the whole batch (every
-    rank). With several ranks, `episodes` are this rank's share and `ids` their positions in the batch
-    (default: the whole batch, in order). Policy, reference and critic are all replicas (fp32, the
-    gradients summed by `allreduce_grads`) or all FSDP-sharded `parallel.Root`s."""
+    """One training step on recorded episodes; returns metrics averaged over the minibatches of the
+    whole batch (every rank). With several ranks, `episodes` are this rank's share and `ids` their
+    positions in the batch (default: the whole batch, in order). Policy, reference and critic are all
+    replicas (fp32, the gradients summed by `allreduce_grads`) or all FSDP-sharded `parallel.Root`s.
+
+    Every loss term is a token mean over the minibatch (`losses.aggregate`): PPO, entropy and value
+    over its sampled action tokens, OPD over its teacher-mask tokens (1 / sum m_T)."""
     ids = list(range(len(episodes))) if ids is None else list(ids)
     owners = gather(ids)
     n_total = sum(len(o) for o in owners)
@@ -246,8 +261,14 @@ def ppo_update(episodes: list[Episode], policy, ref, critic, teacher, actor_opt,
     t_score = time.perf_counter() - t0
     mean, std = global_mean_std(torch.cat([s["advantages"] for s in scored]))
     lam = 0.0 if cfg.method == "ppo" else cfg.opd_coef
+    # token counts of every episode of the batch (all ranks): the minibatch denominators
+    n_act, n_teach = {}, {}
+    for part in gather([(g, s["old_logp"].numel(), int(s["teach_rows"].sum()) if s["teacher_hidden"] is not None
+                         else 0) for g, s in zip(ids, scored)]):
+        for g, a, t in part:
+            n_act[g], n_teach[g] = a, t
     dev = next(policy.parameters()).device
-    sums: dict[str, list[float]] = {}
+    per_mb: list[dict] = []  # this rank's share of each minibatch's metrics
     first_ratio_err = 0.0  # max |ratio - 1| over the first minibatch: 0 when scoring and update agree
     policy.train()
     critic.train()
@@ -257,57 +278,68 @@ def ppo_update(episodes: list[Episode], policy, ref, critic, teacher, actor_opt,
         rng.shuffle(order)
         for mb in range(0, len(order), cfg.minibatch_episodes):
             idx = order[mb : mb + cfg.minibatch_episodes]
+            acts, teach_tokens = sum(n_act[g] for g in idx), sum(n_teach[g] for g in idx)
+            mb_metrics: dict[str, float] = {}
             actor_opt.zero_grad(set_to_none=True)
             critic_opt.zero_grad(set_to_none=True)
             for i, real in minibatch_plan(idx, local, owners, pad=sharded):  # gradient accumulation
                 s = scored[i]
                 p = s["packed"]
-                teach = lam and s["teacher_hidden"] is not None
+                teach = bool(lam) and s["teacher_hidden"] is not None and teach_tokens > 0
                 with autocast(dev, cfg.dtype):
                     logp, ent, opd = call(policy, lambda m: actor_forward(
                         m, p, cfg.backend, cfg.chunk_size, s["teach_rows"], s["teacher_hidden"] if teach else None,
-                        _head(teacher) if teach else None))
+                        _head(teacher) if teach else None, teach_tokens))
                     values = call(critic, lambda m: m.values(p, cfg.backend))
                 opd, m_opd = opd if opd is not None else (None, {})
                 adv = ((s["advantages"] - mean) / std).to(dev)
-                a_loss, m_a = actor_loss(logp, s["old_logp"], adv, ent, opd, cfg.clip, cfg.entropy_coef, lam)
-                v_loss, m_v = value_loss(values, s["values"], s["returns"].to(dev), clip=cfg.value_clip)
-                # the one place of the loss scale: divided by the global minibatch size, the sum over
-                # ranks (allreduce_grads, or FSDP's reduce-scatter with divide factor 1) is the minibatch mean
-                scale = (1.0 if real else 0.0) / len(idx)
-                (a_loss * scale).backward()
-                (v_loss * scale).backward()
+                # each term is this episode's token sum over the minibatch's token count (a padding
+                # pass of FSDP contributes a zero loss): the shares of all episodes and ranks sum to
+                # the minibatch token mean, and the gradient sum over ranks is its gradient
+                denom = acts if real else float("inf")
+                a_loss, m_a = actor_loss(logp, s["old_logp"], adv, ent, opd if real else None, cfg.clip,
+                                         cfg.entropy_coef, lam, denom)
+                v_loss, m_v = value_loss(values, s["values"], s["returns"].to(dev), cfg.value_clip, denom)
+                (a_loss + v_loss).backward()  # separate models: each gets its own loss's gradient
                 if not real:
                     continue
                 if epoch == 0 and mb == 0:
                     err = (logp.detach() - s["old_logp"]).exp().sub(1).abs().max().item()
                     first_ratio_err = max(first_ratio_err, err)
-                for k, v in {**m_a, **m_v, **m_opd}.items():
-                    sums.setdefault(k, []).append(float(v))
+                m_a.pop("actor/loss")
+                _combine(mb_metrics, {**m_a, **m_v, **m_opd})
             if not sharded:
                 allreduce_grads(policy.parameters())
                 allreduce_grads(critic.parameters())
             # the norms are of the summed gradients: identical on every rank, so are the steps
-            sums.setdefault("actor/grad_norm", []).append(clip_grad_norm(policy.parameters(), cfg.max_grad_norm))
-            sums.setdefault("critic/grad_norm", []).append(clip_grad_norm(critic.parameters(), cfg.max_grad_norm))
+            mb_metrics["actor/grad_norm"] = clip_grad_norm(policy.parameters(), cfg.max_grad_norm)
+            mb_metrics["critic/grad_norm"] = clip_grad_norm(critic.parameters(), cfg.max_grad_norm)
             actor_opt.step()
             critic_opt.step()
+            per_mb.append(mb_metrics)
     policy.eval()
     critic.eval()
     metrics["time/score_s"] = t_score
     metrics["time/update_s"] = time.perf_counter() - t0 - t_score
-    mine = {"sums": sums, "packed": sum(len(s["packed"]) for s in scored),
+    mine = {"per_mb": per_mb, "packed": sum(len(s["packed"]) for s in scored),
             "actions": sum(s["old_logp"].numel() for s in scored),
             "reward": sum(float(ep.reward or 0.0) for ep in episodes), "first_ratio_err": first_ratio_err,
             "kl_ref": float(torch.cat([s["kl_ref"] for s in scored]).double().sum())}
     everyone = gather(mine)
-    allsums: dict[str, list[float]] = {}
-    for r, o in enumerate(everyone):
-        for k, v in o["sums"].items():
-            if k.endswith("grad_norm") and r:  # the same value on every rank: count it once
-                continue
-            allsums.setdefault(k, []).extend(v)
-    metrics.update({k: sum(v) / len(v) for k, v in allsums.items()})
+    minibatches = []
+    for k in range(len(per_mb)):  # every rank ran the same minibatches
+        mb = {}
+        for r, o in enumerate(everyone):
+            share = dict(o["per_mb"][k])
+            if r:  # the grad norms are the same on every rank: count them once
+                share = {key: v for key, v in share.items() if not key.endswith("grad_norm")}
+            _combine(mb, share)
+        mb["actor/loss"] = mb.get("ppo/loss", 0.0) - cfg.entropy_coef * mb.get("actor/entropy", 0.0) \
+            + lam * mb.get("opd/loss", 0.0)
+        minibatches.append(mb)
+    for k in sorted({k for mb in minibatches for k in mb}):
+        vals = [mb[k] for mb in minibatches if k in mb]
+        metrics[k] = sum(vals) / len(vals)
     metrics["ppo/first_ratio_err"] = max(o["first_ratio_err"] for o in everyone)
     metrics["tokens/packed"] = int(sum(o["packed"] for o in everyone))
     metrics["tokens/actions"] = int(sum(o["actions"] for o in everyone))
