@@ -113,18 +113,22 @@ def test_every_corruption_far_above_the_floor(run):
 
 
 def test_exact_action_mask_is_a_strict_subset_of_the_response_mask(run):
+    """exact <= trajectory (actions + retained copies) <= response (everything after z_0 = [q, x_0]); on real
+    rollouts with retained memory both inclusions are strict (every later call's context has a turn hint)."""
     episodes, _ = read_episodes(run / "episodes.parquet")
     strict = False
     for ep in episodes:
         m = domain_masks(ep)
-        exact, resp, traj = m["exact_action_mask"], m["response_mask"], m["trajectory_mask"]
-        assert not (exact & ~resp).any() and not (resp & ~traj).any()
-        strict |= bool((resp & ~exact).any())
+        exact, traj, resp = m["exact_action_mask"], m["trajectory_mask"], m["response_mask"]
+        assert not (exact & ~traj).any() and not (traj & ~resp).any()
+        assert not resp[: len(ep.invocations[0].input_ids)].any()  # the prompt z_0 is never trained
+        strict |= bool((traj & ~exact).any())
     assert strict
     rows = {r["mask"]: r for r in _csv(run / "tables/action_domain.csv")}
     assert rows["exact_action_mask"]["spurious_positions"] == "0"
-    assert 0 < int(rows["response_mask"]["spurious_positions"]) < int(rows["trajectory_mask"]["spurious_positions"])
+    assert 0 < int(rows["trajectory_mask"]["spurious_positions"]) < int(rows["response_mask"]["spurious_positions"])
     assert all(r["contains_exact"] == "True" for r in rows.values())
+    assert "exact < trajectory <= response holds here" in (run / "tables/action_domain.md").read_text()
 
 
 def test_teacher_divergence_only_after_the_first_update(run):

@@ -3,7 +3,7 @@
 Every comparison is against the reference of running each call alone, at the sampled action tokens:
   state_rows         persistent history, batched independent calls, packed backends, corruptions
   teacher_divergence teacher on the flattened vs the exact state, by invocation index
-  action_domain      the exact action mask vs a trajectory mask and a response mask
+  action_domain      the exact action mask vs the trajectory (info-masked) and response masks
   context_updates    RCE per memory-rewrite rule
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from memopd.attention import independent_logits, packed_logits
-from memopd.packing import PREFIX, corrupt, flatten_persistent, pack
+from memopd.packing import CONTEXT, corrupt, flatten_persistent, pack
 from memopd.rce import TOLERANCES
 from memopd.records import Episode
 
@@ -125,15 +125,23 @@ def teacher_divergence(teacher, episodes: list[Episode]) -> list[dict]:
     return [r for r in rows if r is not None]
 
 
-MASKS = ("exact_action_mask", "response_mask", "trajectory_mask")
+MASKS = ("exact_action_mask", "trajectory_mask", "response_mask")
 
 
 def domain_masks(ep: Episode) -> dict[str, torch.Tensor]:
-    """Boolean masks over the flattened transcript y = [q, x_0, a_0, x_1, a_1, ...] of one episode:
+    """Boolean masks over the flattened transcript y = [q, x_0, a_0, x_1, a_1, ...] of one episode, each
+    built the way a training framework builds it. z_0 = [q, x_0] (the first call's whole input) is the
+    prompt. Every token of x_t (t >= 1) is either a retained copy of an earlier response (recorded
+    `Retained` provenance, never matched by ids) or fresh context the environment inserted (observations:
+    <information> blocks, hints).
       exact_action_mask  the sampled occurrence of every a_t (what MemOPD trains on)
-      response_mask      every token of every response occurrence: a_t and its copies retained into
-                         later contexts (from the record's provenance, never by matching ids)
-      trajectory_mask    every non-prefix token of the transcript"""
+      trajectory_mask    the info-masked trajectory (Search-R1, arXiv:2503.09516; MEM1, arXiv:2506.15841):
+                         every token after z_0 except the observations, i.e. the sampled actions and the
+                         retained copies (model-generated text, so the info mask keeps them)
+      response_mask      everything after z_0, observations included (all turns after the prompt trained as
+                         one response with no tool-output mask, e.g. verl's response_mask = the attention
+                         mask of the response part)
+    exact <= trajectory <= response position by position, by construction."""
     flat = flatten_persistent(ep)
     copies = torch.zeros(len(flat), dtype=torch.bool)
     start = ep.prefix_len  # index in y where x_t starts
@@ -143,8 +151,10 @@ def domain_masks(ep: Episode) -> dict[str, torch.Tensor]:
             copies[j : j + r.length] = True
         start += len(inv.input_ids) - ep.prefix_len + len(inv.output_ids)
     assert start == len(flat)
-    return {"exact_action_mask": flat.act_mask.clone(), "response_mask": flat.act_mask | copies,
-            "trajectory_mask": flat.role != PREFIX}
+    act = flat.act_mask
+    after_prompt = act | ((flat.role == CONTEXT) & (flat.call >= 1))  # x_0 belongs to the prompt z_0
+    assert not (copies & ~after_prompt).any()  # a call retains from earlier calls only, so never into x_0
+    return {"exact_action_mask": act.clone(), "trajectory_mask": act | copies, "response_mask": after_prompt}
 
 
 def action_domain(episodes: list[Episode]) -> list[dict]:
@@ -153,6 +163,7 @@ def action_domain(episodes: list[Episode]) -> list[dict]:
     sample in that state). `contains_exact` checks position by position that the mask selects every
     sampled action occurrence."""
     sel = dict.fromkeys(MASKS, 0)
+    spur = dict.fromkeys(MASKS, 0)
     contains = dict.fromkeys(MASKS, True)
     n_act = 0
     for ep in episodes:
@@ -161,9 +172,10 @@ def action_domain(episodes: list[Episode]) -> list[dict]:
         n_act += int(exact.sum())
         for k in MASKS:
             sel[k] += int(m[k].sum())
+            spur[k] += int((m[k] & ~exact).sum())
             contains[k] &= bool((m[k] | ~exact).all())
     return [{"mask": k, "selected_positions": sel[k], "sampled_action_positions": n_act,
-             "spurious_positions": sel[k] - n_act, "spurious_share": (sel[k] - n_act) / sel[k] if sel[k] else 0.0,
+             "spurious_positions": spur[k], "spurious_share": spur[k] / sel[k] if sel[k] else 0.0,
              "x_exact": sel[k] / n_act if n_act else 0.0, "contains_exact": contains[k],
              "trajectories": len(episodes)} for k in MASKS]
 

@@ -246,18 +246,40 @@ def action_domain_step(cfg: dict, episodes_path: str, out: str) -> list[dict]:
     episodes, meta = read_episodes(episodes_path)
     rows = action_domain(episodes)
     r = {x["mask"]: x for x in rows}
-    ex, resp, traj = (r[k]["selected_positions"] for k in ("exact_action_mask", "response_mask", "trajectory_mask"))
-    holds = ex < resp and ex < traj
-    notes = [f"Finding: the exact action domain selects {ex} positions, {resp / ex:.2f}x fewer than the response "
-             f"mask ({resp}) and {traj / ex:.2f}x fewer than the trajectory mask ({traj}); the ordering exact < "
-             f"response <= trajectory {'holds' if holds and resp <= traj else 'does NOT hold'} here"
-             + ("" if ex < resp else " (no response token was retained into a later context, so the response "
-                                      "mask equals the exact mask)") + "."]
-    caption = (f"Action domain: positions of the flattened transcripts [q, x_0, a_0, x_1, a_1, ...] selected by the "
-               f"exact action mask (sampled occurrences only), the response mask (every response occurrence, "
-               f"retained copies included, from the recorded provenance) and the trajectory mask (every non-prefix "
-               f"token); spurious = selected but not a sampled action occurrence. Counts only (no model); "
-               f"episodes: {describe(meta)}.")
+    ex, traj, resp = (r[k]["selected_positions"] for k in ("exact_action_mask", "trajectory_mask", "response_mask"))
+    # arXiv 2608.07068 (64 trajectories, 199 calls): 12,083 sampled action tokens; trajectory and response
+    # masks add 66,830 and 74,357 spurious positions
+    p_ex, p_traj, p_resp = 12083, 12083 + 66830, 12083 + 74357
+    holds = ex < traj <= resp
+    why = []
+    if ex == traj:
+        why.append("no response token was retained into a later context, so the trajectory mask equals the exact mask")
+    if traj == resp and ex < traj:
+        why.append("no observation entered a context after the first call, so the response and trajectory masks "
+                   "coincide")
+    notes = [f"Finding: the exact action domain selects {ex:,} sampled action positions; the trajectory mask adds "
+             f"{traj - ex:,} spurious positions (retained response copies) and the response mask {resp - ex:,} (the "
+             f"copies plus {resp - traj:,} observation positions after the first call), "
+             f"{(traj - ex) / ex if ex else 0:.2f}x and {(resp - ex) / ex if ex else 0:.2f}x the action count. "
+             f"The paper's ordering exact < trajectory <= response {'holds' if holds else 'does NOT hold'} here "
+             f"({ex:,} < {traj:,} <= {resp:,})" + (f" ({'; '.join(why)})" if why else "")
+             + f". Paper (64 trajectories, 199 calls): {p_ex:,} sampled action tokens, +{p_traj - p_ex:,} (trajectory) "
+             f"and +{p_resp - p_ex:,} (response), {(p_traj - p_ex) / p_ex:.2f}x and {(p_resp - p_ex) / p_ex:.2f}x."]
+    caption = ("Action domain: positions of the flattened transcripts y = [q, x_0, a_0, x_1, a_1, ...] (one per "
+               "episode) that each training mask selects; spurious = selected but not the sampled occurrence of an "
+               "action. z_0 = [q, x_0], the first call's whole input, is the prompt; every token of x_t (t >= 1) is "
+               "either a retained copy of an earlier response (from the recorded provenance, never by matching ids) "
+               "or an observation the environment inserted (`<information>` block, hint). "
+               "exact_action_mask: the sampled occurrence of every a_t (MemOPD). "
+               "trajectory_mask: the info-masked trajectory of Search-R1 (Jin et al. 2025, arXiv:2503.09516, loss "
+               "masking for retrieved tokens) and MEM1 (Zhou et al. 2025, arXiv:2506.15841, masked trajectory with "
+               "information tokens masked from the loss), which train on model-generated tokens only: every token "
+               "after z_0 except the observations, i.e. the sampled actions plus the retained copies (model text, "
+               "so an info mask keeps them). "
+               "response_mask: every token after z_0, observations included, as when all turns after the prompt are "
+               "trained as one response with no tool-output mask (e.g. verl's response_mask, the attention mask of "
+               "the response part). exact <= trajectory <= response position by position, by construction. "
+               f"Counts only (no model); episodes: {describe(meta)}.")
     write_table(rows, out, caption, notes=notes)
     return rows
 
