@@ -35,6 +35,7 @@ rule all:
         "results/tables/sft_summary.csv",
         rules.eval_all.input,
         rules.results_tables.output,
+        rules.matched_control.output,
         AUDIT_TABLES,
 
 

@@ -31,6 +31,9 @@ def _bad_config(tmp_path, mutate):
     (lambda c: c["rce"].__setitem__("backends", ["sdpa", "magic"]), "magic"),
     (lambda c: c.__setitem__("unknown_key", 1), "unknown_key"),
     (lambda c: c["models"]["student"].__setitem__("hidden_size", -5), "hidden_size"),
+    (lambda c: c["train"]["matched_control"].__setitem__("benchmark", "q4_test"), "q4_test"),  # not in eval.benchmarks
+    (lambda c: c["train"]["matched_control"].__setitem__("methods", ["ppo"]), "methods"),  # fixed, not configurable
+    (lambda c: c["train"]["matched_control"].__setitem__("seeds", [1, 1]), "matched_control"),
 ])
 def test_bad_config_stops_the_run_naming_it(tmp_path, mutate, needle):
     res = snakemake("-n", "--configfile", str(_bad_config(tmp_path, mutate)))
@@ -43,6 +46,59 @@ def test_dry_run_lists_the_targets():
     assert res.returncode == 0, res.stderr
     for rule in ("tokenizer", "model_init", "rce_smoke"):
         assert rule in res.stdout + res.stderr
+
+
+def _dry_run_blocks(text):
+    """{rule: [job block, ...]} of a `snakemake -n` output (a block: `key: value` lines of one job)."""
+    blocks, cur = {}, None
+    for line in text.splitlines():
+        if line.startswith(("rule ", "localrule ")) and line.endswith(":"):
+            cur = {}
+            blocks.setdefault(line.split()[1][:-1], []).append(cur)
+        elif cur is not None and line.startswith("    ") and ": " in line:
+            key, _, value = line.strip().partition(": ")
+            cur[key] = value
+        elif not line.startswith(" "):
+            cur = None
+    return blocks
+
+
+def test_matched_control_target_needs_exactly_its_runs(tmp_path):
+    """Control seeds [7] (train.seeds 0-4): the table reads the three seed-7 runs on q2_test, and its
+    target builds those runs only; `all` builds them next to the main runs."""
+    cfg = _bad_config(tmp_path, lambda c: c["train"]["matched_control"].update(seeds=[7]))
+    res = snakemake("results/tables/matched_control.csv", "-n", "--forceall", "--configfile", str(cfg))
+    assert res.returncode == 0, res.stdout + res.stderr
+    blocks = _dry_run_blocks(res.stdout)
+    (job,) = blocks["matched_control"]
+    evals = {f for f in job["input"].split(", ") if f.startswith("results/eval/")}
+    assert evals == {f"results/eval/{m}_seed7/q2_test.json" for m in ("ppo", "memopd_persistent", "memopd")}
+    assert job["output"] == "results/tables/matched_control.csv, results/tables/matched_control.md"
+    assert job["log"] and job["benchmark"]
+    assert sorted(b["wildcards"] for b in blocks["train"]) == sorted(f"method={m}, seed=7" for m in
+                                                                      ("memopd", "memopd_persistent", "ppo"))
+    assert sorted(b["wildcards"] for b in blocks["eval"]) == sorted(f"model={m}_seed7" for m in
+                                                                     ("memopd", "memopd_persistent", "ppo"))
+    assert "results_tables" not in blocks and "audit_episodes" not in blocks
+    res = snakemake("all", "-n", "--forceall", "--configfile", str(cfg))
+    assert res.returncode == 0, res.stdout + res.stderr
+    blocks = _dry_run_blocks(res.stdout)
+    assert len(blocks["train"]) == 18 and len(blocks["matched_control"]) == 1  # 15 main runs + 3 for the control
+
+
+def test_all_includes_the_matched_control_and_reuses_the_main_runs():
+    """Embedded default: the control's seeds are train.seeds, so `all` trains 15 runs, not more, and
+    results_tables (Tables 1-2) no longer writes the control's table."""
+    res = snakemake("all", "-n", "--forceall")
+    assert res.returncode == 0, res.stdout + res.stderr
+    blocks = _dry_run_blocks(res.stdout)
+    assert len(blocks["train"]) == 15 and len(blocks["matched_control"]) == 1
+    (tables,) = blocks["results_tables"]
+    assert "matched_control" not in tables["output"]
+    cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())["train"]
+    assert cfg["matched_control"]["seeds"] == cfg["seeds"]
+    paper = yaml.safe_load((ROOT / "config/paper.yaml").read_text())["train"]
+    assert set(paper["matched_control"]["seeds"]) <= set(paper["seeds"])  # paper scale reuses its runs
 
 
 def test_lint_is_clean():

@@ -89,13 +89,14 @@ def check_resources_config():
 
 
 def check_eval_config():
-    """The eval step writes one file per benchmark of eval.benchmarks: the trained runs' horizons and the
-    SFT summary's q2_test must be among them (else no rule could make their evaluations)."""
-    needed = set(config["train"]["horizons"]) | {"q2_test"}
+    """The eval step writes one file per benchmark of eval.benchmarks: the trained runs' horizons, the
+    matched control's benchmark and the SFT summary's q2_test must be among them (else no rule could
+    make their evaluations)."""
+    needed = set(config["train"]["horizons"]) | {config["train"]["matched_control"]["benchmark"], "q2_test"}
     missing = needed - set(config["eval"]["benchmarks"])
     if missing:
-        raise ValueError(f"config eval.benchmarks lacks {sorted(missing)} (train.horizons and the SFT summary "
-                         "read them)")
+        raise ValueError(f"config eval.benchmarks lacks {sorted(missing)} (train.horizons, "
+                         "train.matched_control.benchmark and the SFT summary read them)")
 
 
 def sft_init(wildcards):

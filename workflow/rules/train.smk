@@ -1,9 +1,16 @@
-# PPO / MemOPD training (one job per method x seed), evaluation of the trained policies, Tables 1-2.
+# PPO / MemOPD training (one job per method x seed), evaluation of the trained policies, Tables 1-2, and
+# the matched control (its own target, on its own seeds: a seed of train.seeds reuses that run).
 
 TRAIN = config["train"]
+# What a training run sees: the train section without matched_control (which says which runs a table
+# reads, not how to train), so that changing the control's seeds reruns no training and no Tables 1-2.
+TRAIN_RUN = {k: v for k, v in TRAIN.items() if k != "matched_control"}
 TRAIN_SRC = src("train/ppo", "train/loop", "train/weight_sync", "losses", "packing", "attention", "rce", "agent/rollout",
                 "agent/backends", "cli")
 TRAINED = [f"{m}_seed{s}" for m in TRAIN["methods"] for s in TRAIN["seeds"]]
+# The matched control: methods fixed (as memopd.report.results.MATCHED_METHODS), runs {method}_seed{seed}.
+CONTROL = TRAIN["matched_control"]
+CONTROL_RUNS = [f"{m}_seed{s}" for m in ("ppo", "memopd_persistent", "memopd") for s in CONTROL["seeds"]]
 
 
 rule train:
@@ -23,7 +30,7 @@ rule train:
     params:
         launch=launcher,  # torchrun (one rank per GPU, gradients summed over ranks) when the job has several GPUs
         tracking=cfg_json("tracking"),
-        cfg=lambda w: json.dumps({k: config[k] for k in ("train", "agent", "rollout")}, sort_keys=True),
+        cfg=lambda w: json.dumps({"train": TRAIN_RUN, **{k: config[k] for k in ("agent", "rollout")}}, sort_keys=True),
         student=lambda w, input: os.path.dirname(input.student),
         teacher=lambda w, input: f"--teacher {os.path.dirname(input.teacher)}" if "teacher" in input.keys() else "",
         run_dir=lambda w, output: os.path.dirname(output.metrics),
@@ -50,11 +57,10 @@ rule results_tables:
     output:
         multi="results/tables/multiobjective.csv",
         wiki="results/tables/wikirag.csv",
-        matched="results/tables/matched_control.csv",
         figure="results/figures/f1_vs_horizon.png",
     params:
         memopd=MEMOPD,
-        cfg=cfg_json("train"),
+        cfg=json.dumps(TRAIN_RUN, sort_keys=True),
     log:
         f"{LOGS}/results_tables.log",
     benchmark:
@@ -67,3 +73,28 @@ rule results_tables:
     shell:
         "{params.memopd} report results --cfg {params.cfg:q} --eval-dir results/eval --out-dir results/tables "
         "--figure {output.figure} > {log} 2>&1"
+
+
+rule matched_control:
+    # exactly the control's runs on its benchmark (the eval job of a run also writes its other benchmarks)
+    input:
+        src("report/results", "report/tables", "cli"),
+        evals=expand("results/eval/{model}/{benchmark}.json", model=CONTROL_RUNS, benchmark=CONTROL["benchmark"]),
+    output:
+        csv="results/tables/matched_control.csv",
+        md="results/tables/matched_control.md",
+    params:
+        memopd=MEMOPD,
+        cfg=cfg_json("train"),
+    log:
+        f"{LOGS}/matched_control.log",
+    benchmark:
+        f"{LOGS}/bench/matched_control.tsv"
+    threads: job_threads("matched_control")
+    resources:
+        **job_resources("matched_control"),
+    conda:
+        ENV_CPU
+    shell:
+        "{params.memopd} report matched-control --cfg {params.cfg:q} --eval-dir results/eval --out {output.csv} "
+        "> {log} 2>&1"

@@ -4,10 +4,16 @@ Per (method, horizon, metric): mean and sample std over seeds, a 95% bootstrap i
 (resampling seeds), the change of the mean relative to PPO in %, and a paired comparison with PPO
 (per seed: method - ppo; mean difference and its bootstrap interval). With 5 seeds the intervals are
 wide: a difference inside the seed spread is no difference, and the tables say so by their intervals.
+
+The matched control (`matched_control_table`) is its own experiment: `ppo`, `memopd_persistent` and
+`memopd` on the seeds of `train.matched_control` (runs `{method}_seed{seed}`), evaluated on one
+benchmark, with the paper's two increments (persistent teacher vs PPO; state alignment on top of it)
+and their paired bootstrap intervals over seeds.
 """
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 from pathlib import Path
@@ -17,6 +23,14 @@ METRICS = {
     "wikirag": ["em", "f1", "dependency", "inference_time_s", "peak_context_tokens"],
     "matched_control": ["em", "f1"],
 }
+# The matched control: these three methods, everything else identical (the runs differ only by method).
+MATCHED_METHODS = ["ppo", "memopd_persistent", "memopd"]
+# Its two increments (method, baseline, what it measures) and the paper's change of the mean in %.
+INCREMENTS = [
+    ("memopd_persistent", "ppo", "persistent teacher", {"f1": 5.6, "em": 4.4}),
+    ("memopd", "memopd_persistent", "alignment on top", {"f1": 7.0, "em": 10.0}),
+]
+MATCHED_DEFAULT_BENCHMARK = "q2_test"
 COLUMNS = ["method", "horizon", "metric", "mean", "std", "ci_low", "ci_high", "rel_to_ppo_pct", "seeds",
            "paired_diff_vs_ppo", "paired_ci_low", "paired_ci_high"]
 
@@ -95,3 +109,145 @@ def horizon_figure(rows: list[dict], path: str | Path, metric: str = "f1") -> No
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)
     plt.close(fig)
+
+
+def _rel_pct(base_mean: float, other_mean: float) -> float:
+    """Change of the mean relative to the baseline, in % (NaN when the baseline mean is 0)."""
+    return 100.0 * (other_mean - base_mean) / abs(base_mean) if base_mean else float("nan")
+
+
+def paired_bootstrap(base: list[float], other: list[float], n_boot: int = 2000, seed: int = 0,
+                     level: float = 0.95) -> dict:
+    """Paired comparison of `other` with `base` over seeds (base[i], other[i]: the same seed).
+
+    Returns the mean per-seed difference (other - base) and the relative change of the means in %,
+    each with a percentile bootstrap interval that resamples seeds (the pairs stay together). Both
+    intervals come from the same resamples, so one contains 0 exactly when the other does. Fewer than
+    2 seeds: no interval (NaN). The relative interval is NaN when a resample's baseline mean is 0."""
+    if len(base) != len(other) or not base:
+        raise ValueError(f"paired_bootstrap needs equally many values on both sides, got {len(base)} and {len(other)}")
+    n, nan = len(base), float("nan")
+    out = {"diff": statistics.fmean(o - b for b, o in zip(base, other)),
+           "rel_pct": _rel_pct(statistics.fmean(base), statistics.fmean(other)),
+           "diff_ci": (nan, nan), "rel_ci": (nan, nan)}
+    if n < 2:
+        return out
+    rng = random.Random(seed)
+    diffs, rels = [], []
+    for _ in range(n_boot):
+        idx = rng.choices(range(n), k=n)
+        b, o = statistics.fmean(base[i] for i in idx), statistics.fmean(other[i] for i in idx)
+        diffs.append(o - b)
+        rels.append(_rel_pct(b, o))
+    lo_i, hi_i = int((1 - level) / 2 * n_boot), min(n_boot - 1, int((1 + level) / 2 * n_boot))
+    diffs.sort()
+    out["diff_ci"] = (diffs[lo_i], diffs[hi_i])
+    if not any(math.isnan(r) for r in rels):
+        rels.sort()
+        out["rel_ci"] = (rels[lo_i], rels[hi_i])
+    return out
+
+
+def _noise(diff_ci: tuple[float, float], seeds: int) -> str:
+    if seeds < 2 or math.isnan(diff_ci[0]):
+        return "no interval (1 seed)"
+    return "inside the noise (CI contains 0)" if diff_ci[0] <= 0 <= diff_ci[1] else "outside the noise (CI excludes 0)"
+
+
+MATCHED_COLUMNS = ["row", "metric", "mean", "std", "ci_low", "ci_high", "seeds", "change_pct", "change_ci_low",
+                   "change_ci_high", "paired_diff", "paired_ci_low", "paired_ci_high", "paper_change_pct", "noise"]
+
+
+def matched_control_rows(scores: dict, benchmark: str, metrics: list[str] | None = None) -> list[dict]:
+    """The matched-control table from load_scores(..., MATCHED_METHODS, seeds, [benchmark]).
+
+    Per metric: one row per method (mean, sample std and 95% bootstrap interval over seeds), then one row
+    per increment of INCREMENTS ("memopd_persistent vs ppo", "memopd vs memopd_persistent"): the change of
+    the mean in % with its paired bootstrap interval over seeds, the mean per-seed difference with its
+    interval, the paper's change in %, and whether the interval contains 0. Cells that do not apply are ""."""
+    metrics = metrics or METRICS["matched_control"]
+    per = {m: scores[(m, benchmark)] for m in MATCHED_METHODS}
+    seeds = sorted(per["ppo"])
+    for m, runs in per.items():
+        if sorted(runs) != seeds:
+            raise ValueError(f"matched control: {m} has seeds {sorted(runs)}, ppo has {seeds} (pairs need the same seeds)")
+    blank = dict.fromkeys(MATCHED_COLUMNS, "")
+    rows = []
+    for metric in metrics:
+        vals = {m: [float(per[m][s][metric]) for s in seeds] for m in MATCHED_METHODS}
+        for m in MATCHED_METHODS:
+            lo, hi = bootstrap_ci(vals[m])
+            rows.append({**blank, "row": m, "metric": metric, "mean": statistics.fmean(vals[m]),
+                         "std": statistics.stdev(vals[m]) if len(seeds) > 1 else 0.0, "ci_low": lo, "ci_high": hi,
+                         "seeds": len(seeds)})
+        for other, base, _, paper in INCREMENTS:
+            pb = paired_bootstrap(vals[base], vals[other])
+            rows.append({**blank, "row": f"{other} vs {base}", "metric": metric, "seeds": len(seeds),
+                         "change_pct": pb["rel_pct"], "change_ci_low": pb["rel_ci"][0], "change_ci_high": pb["rel_ci"][1],
+                         "paired_diff": pb["diff"], "paired_ci_low": pb["diff_ci"][0], "paired_ci_high": pb["diff_ci"][1],
+                         "paper_change_pct": paper.get(metric, float("nan")), "noise": _noise(pb["diff_ci"], len(seeds))})
+    return rows
+
+
+def _signed(v: float, unit: str = "%") -> str:
+    return "undefined (baseline mean 0)" if math.isnan(v) else f"{v:+.1f}{unit}"
+
+
+def matched_control_notes(rows: list[dict]) -> list[str]:
+    """One `Finding:` line per increment and metric: ours (interval), the paper's, the noise verdict."""
+    notes = []
+    for other, base, label, _ in INCREMENTS:
+        for r in (r for r in rows if r["row"] == f"{other} vs {base}"):
+            m = r["metric"].upper()
+            ci = ("no interval" if math.isnan(r["paired_ci_low"]) else
+                  f"paired 95% CI of the change {_signed(r['change_ci_low'])} to {_signed(r['change_ci_high'])}"
+                  if not math.isnan(r["change_ci_low"]) else
+                  f"paired 95% CI of the per-seed difference {r['paired_ci_low']:+.4f} to {r['paired_ci_high']:+.4f}")
+            if r["noise"].startswith("inside"):
+                verdict = "inside the noise: the interval contains 0, so these seeds do not tell it from no difference"
+            elif r["noise"].startswith("outside"):
+                sign = (r["paired_diff"] > 0) == (r["paper_change_pct"] > 0)
+                verdict = f"outside the noise, {'the same' if sign else 'the opposite'} direction as the paper"
+            else:
+                verdict = "one seed: no interval, so no claim either way"
+            notes.append(f"Finding ({label}, {other} vs {base}, {m}): {_signed(r['change_pct'])} "
+                         f"(per-seed difference {r['paired_diff']:+.4f}; {ci}; {r['seeds']} seeds); "
+                         f"paper {r['paper_change_pct']:+.1f}%; {verdict}.")
+    return notes
+
+
+def matched_control_caption(cfg: dict, seeds: list[int], benchmark: str, scores: dict) -> str:
+    """Names the methods, seeds, benchmark, runs (run directories, models, evaluations) and training set-up."""
+    models = [f"{m}_seed{s}" for m in MATCHED_METHODS for s in seeds]
+    episodes = sorted({int(r["episodes"]) for m in MATCHED_METHODS for r in scores[(m, benchmark)].values()
+                       if "episodes" in r})
+    tasks = f", {'/'.join(map(str, episodes))} tasks each" if episodes else ""
+    return (f"Matched control on {benchmark}: methods {', '.join(MATCHED_METHODS)} (PPO without teacher; MemOPD "
+            f"with the teacher on the persistent history; MemOPD with the teacher on the exact state), everything "
+            f"else identical; seeds {list(seeds)}; runs results/train/{{method}}/seed{{seed}}/ exported as models "
+            f"{', '.join(models)}; evaluations results/eval/{{model}}/{benchmark}.json{tasks}. Student "
+            f"{cfg['student']}, teacher {cfg['teacher']}, trained on {cfg['benchmark']} for {cfg['steps']} steps x "
+            f"{cfg['batch_tasks']} tasks. Method rows: mean +- std over seeds and 95% bootstrap CI; increment rows "
+            f"(`memopd_persistent vs ppo` = persistent teacher, `memopd vs memopd_persistent` = alignment on top): "
+            f"change of the mean in % with its paired bootstrap CI over seeds, mean per-seed difference with its "
+            f"CI, and the paper's change (persistent teacher +5.6% F1 / +4.4% EM over PPO; alignment a further "
+            f"+7.0% F1 / +10.0% EM); EM/F1 = per-task mean over questions")
+
+
+def matched_control_config(cfg: dict) -> tuple[list[int], str]:
+    """(seeds, benchmark) of the train section's matched_control (defaults: train.seeds, q2_test)."""
+    mc = cfg.get("matched_control") or {}
+    return list(mc.get("seeds", cfg["seeds"])), mc.get("benchmark", MATCHED_DEFAULT_BENCHMARK)
+
+
+def matched_control_table(cfg: dict, eval_dir: str | Path, out_csv: str | Path) -> list[dict]:
+    """results/tables/matched_control.{csv,md} from results/eval/{method}_seed{seed}/{benchmark}.json.
+    cfg: the `train` config section (its matched_control gives seeds and benchmark)."""
+    from memopd.report.tables import write_table
+
+    seeds, benchmark = matched_control_config(cfg)
+    scores = load_scores(eval_dir, MATCHED_METHODS, seeds, [benchmark])
+    rows = matched_control_rows(scores, benchmark)
+    write_table(rows, out_csv, matched_control_caption(cfg, seeds, benchmark, scores),
+                notes=matched_control_notes(rows))
+    return rows

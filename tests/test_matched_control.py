@@ -1,0 +1,127 @@
+"""The matched control table (memopd report matched-control) on hand-made evaluations."""
+import csv
+import itertools
+import json
+import statistics
+
+import pytest
+
+from memopd.cli import main
+from memopd.report.results import matched_control_table, paired_bootstrap
+
+SEEDS = [0, 3, 7]
+# Per seed, q2_test: memopd_persistent beats ppo on every seed (F1); memopd vs memopd_persistent changes
+# sign across seeds (F1 diffs +0.10, -0.10, +0.02): an interval that must contain 0.
+F1 = {"ppo": [0.20, 0.30, 0.25], "memopd_persistent": [0.22, 0.33, 0.26], "memopd": [0.32, 0.23, 0.28]}
+EM = {"ppo": [0.10, 0.20, 0.15], "memopd_persistent": [0.12, 0.20, 0.18], "memopd": [0.14, 0.25, 0.18]}
+TRAIN = {"student": "student_sft", "teacher": "teacher_sft", "benchmark": "q2_train", "steps": 4, "batch_tasks": 8,
+         "seeds": [0, 1, 2, 3, 4], "matched_control": {"seeds": SEEDS, "benchmark": "q2_test"}}
+
+
+def _write_evals(root, seeds=SEEDS):
+    for m in F1:
+        for i, s in enumerate(seeds):
+            d = root / f"{m}_seed{s}"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "q2_test.json").write_text(json.dumps({"episodes": 20, "em": EM[m][i], "f1": F1[m][i]}))
+            # another benchmark of the same runs, and a seed outside the control: never read
+            (d / "q8_test.json").write_text(json.dumps({"episodes": 4, "em": 9.0, "f1": 9.0}))
+        d = root / f"{m}_seed1"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "q2_test.json").write_text(json.dumps({"episodes": 20, "em": 9.0, "f1": 9.0}))
+
+
+def _read(path):
+    with open(path) as f:
+        return {(r["row"], r["metric"]): r for r in csv.DictReader(f)}
+
+
+def _exact_bootstrap_range(base, other):
+    """Smallest and largest relative change (%) over every resample of the seeds (plain enumeration)."""
+    vals = []
+    for idx in itertools.product(range(len(base)), repeat=len(base)):
+        b, o = statistics.fmean(base[i] for i in idx), statistics.fmean(other[i] for i in idx)
+        vals.append(100 * (o - b) / b)
+    return min(vals), max(vals)
+
+
+@pytest.fixture
+def table(tmp_path):
+    _write_evals(tmp_path / "eval")
+    out = tmp_path / "tables/matched_control.csv"
+    main(["report", "matched-control", "--cfg", json.dumps(TRAIN), "--eval-dir", str(tmp_path / "eval"),
+          "--out", str(out)])
+    return out
+
+
+def test_method_rows_are_the_control_seeds_on_its_benchmark(table):
+    rows = _read(table)
+    for metric, data in (("f1", F1), ("em", EM)):
+        for m, vals in data.items():
+            r = rows[(m, metric)]
+            assert float(r["mean"]) == pytest.approx(statistics.fmean(vals))  # seed 1 and q8_test (9.0) unread
+            assert float(r["std"]) == pytest.approx(statistics.stdev(vals))
+            assert int(r["seeds"]) == 3 and float(r["ci_low"]) <= float(r["mean"]) <= float(r["ci_high"])
+            assert r["change_pct"] == "" and r["noise"] == ""
+
+
+@pytest.mark.parametrize("other, base, paper", [("memopd_persistent", "ppo", {"f1": 5.6, "em": 4.4}),
+                                                ("memopd", "memopd_persistent", {"f1": 7.0, "em": 10.0})])
+def test_increments_match_a_plain_computation(table, other, base, paper):
+    rows = _read(table)
+    for metric, data in (("f1", F1), ("em", EM)):
+        r = rows[(f"{other} vs {base}", metric)]
+        mb, mo = statistics.fmean(data[base]), statistics.fmean(data[other])
+        assert float(r["change_pct"]) == pytest.approx(100 * (mo - mb) / mb)
+        assert float(r["paired_diff"]) == pytest.approx(statistics.fmean(o - b for b, o in zip(data[base], data[other])))
+        assert float(r["paper_change_pct"]) == paper[metric]
+        lo, hi = _exact_bootstrap_range(data[base], data[other])
+        assert lo - 1e-9 <= float(r["change_ci_low"]) <= float(r["change_ci_high"]) <= hi + 1e-9
+        # the verdict is what the interval says about 0
+        inside = float(r["paired_ci_low"]) <= 0 <= float(r["paired_ci_high"])
+        assert r["noise"].startswith("inside" if inside else "outside")
+        assert (float(r["change_ci_low"]) <= 0 <= float(r["change_ci_high"])) == inside
+
+
+def test_noise_verdicts_of_clear_and_mixed_differences(table):
+    rows = _read(table)
+    assert rows[("memopd_persistent vs ppo", "f1")]["noise"].startswith("outside")  # better on every seed
+    assert rows[("memopd vs memopd_persistent", "f1")]["noise"].startswith("inside")  # +0.10, -0.10, +0.02
+
+
+def test_caption_names_the_runs_and_findings_quote_the_paper(table):
+    md = table.with_suffix(".md").read_text()
+    caption = md.splitlines()[0]
+    for needle in ("ppo, memopd_persistent, memopd", "seeds [0, 3, 7]", "q2_test", "results/train/{method}/seed{seed}/",
+                   "ppo_seed0", "memopd_persistent_seed3", "memopd_seed7", "results/eval/{model}/q2_test.json",
+                   "20 tasks", "+5.6% F1 / +4.4% EM", "+7.0% F1 / +10.0% EM"):
+        assert needle in caption, needle
+    assert "seed1" not in caption
+    findings = [line for line in md.splitlines() if line.startswith("Finding")]
+    assert len(findings) == 4
+    mixed = next(f for f in findings if "alignment on top" in f and "F1" in f)
+    assert "paper +7.0%" in mixed and "inside the noise: the interval contains 0" in mixed
+
+
+def test_one_seed_gives_no_interval_and_says_so(tmp_path):
+    _write_evals(tmp_path / "eval", seeds=[7])
+    cfg = {**TRAIN, "matched_control": {"seeds": [7]}}  # benchmark: the default q2_test
+    rows = {(r["row"], r["metric"]): r for r in matched_control_table(cfg, tmp_path / "eval", tmp_path / "t.csv")}
+    r = rows[("memopd vs memopd_persistent", "f1")]
+    assert r["noise"] == "no interval (1 seed)" and r["paired_diff"] == pytest.approx(0.32 - 0.22)  # the first values
+    assert "no claim" in (tmp_path / "t.md").read_text()
+
+
+def test_a_missing_run_names_its_evaluation(tmp_path):
+    _write_evals(tmp_path / "eval")
+    cfg = {**TRAIN, "matched_control": {"seeds": [0, 5], "benchmark": "q2_test"}}
+    with pytest.raises(FileNotFoundError, match="ppo_seed5/q2_test.json"):
+        matched_control_table(cfg, tmp_path / "eval", tmp_path / "t.csv")
+
+
+def test_paired_bootstrap_keeps_pairs_and_handles_a_zero_baseline():
+    pb = paired_bootstrap([0.1, 0.2, 0.3, 0.4], [0.2, 0.3, 0.4, 0.5])  # +0.1 on every seed
+    assert pb["diff_ci"][0] == pytest.approx(0.1) and pb["diff_ci"][1] == pytest.approx(0.1)  # pairs kept together
+    zero = paired_bootstrap([0.0, 0.0], [0.1, 0.3])
+    assert zero["diff"] == pytest.approx(0.2) and zero["diff_ci"][0] > 0
+    assert all(v != v for v in (zero["rel_pct"], *zero["rel_ci"]))  # NaN: no relative change from 0
