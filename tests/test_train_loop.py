@@ -174,3 +174,45 @@ def test_the_rce_guard_tolerance_follows_the_training_dtype():
     paper = yaml.safe_load((ROOT / "config/paper.yaml").read_text())["train"]
     assert ppo_config(paper, "memopd", 0).dtype == "bfloat16" == paper["dtype"]
     assert ppo_config({"ppo": {}}, "ppo", 0).dtype == "float32"
+
+
+def test_tied_weights_checkpoint_and_export_round_trip(tmp_path):
+    """SmolLM2 and Qwen2.5-3B tie lm_head to embed_tokens; safetensors' save_file refuses shared tensors
+    (the first training checkpoint of a tied model crashed). The checkpoint stores the tied tensor once
+    and resumes to identical, still tied weights and optimizer state; the export loads back tied."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from memopd.train.loop import load_checkpoint, save_checkpoint
+    from memopd.train.ppo import ValueModel
+
+    def tied(seed):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+
+    policy = tied(0)
+    assert policy.lm_head.weight.data_ptr() == policy.model.embed_tokens.weight.data_ptr()
+    critic = ValueModel(copy.deepcopy(policy))
+    a_opt, c_opt = torch.optim.AdamW(policy.parameters(), lr=1e-2), torch.optim.AdamW(critic.parameters(), lr=1e-2)
+    policy(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    a_opt.step()
+    save_checkpoint(tmp_path / "ckpt", 3, policy, critic, a_opt, c_opt)
+    stored = load_file(tmp_path / "ckpt/policy.safetensors")
+    assert "lm_head.weight" not in stored or "model.embed_tokens.weight" not in stored  # stored once
+
+    fresh = tied(1)
+    fresh_critic = ValueModel(copy.deepcopy(fresh))
+    a2, c2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2), torch.optim.AdamW(fresh_critic.parameters(), lr=1e-2)
+    assert load_checkpoint(tmp_path / "ckpt", fresh, fresh_critic, a2, c2) == 3
+    for (k, v), w in zip(policy.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(v, w), k
+    assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()  # still tied
+    assert all(torch.equal(a, b) for a, b in zip(a_opt.state_dict()["state"][0].values(),
+                                                  a2.state_dict()["state"][0].values()))
+    # the export path of train_run (save_pretrained with the gathered state dict)
+    policy.save_pretrained(tmp_path / "model", state_dict=dict(policy.state_dict()), safe_serialization=True)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(back.lm_head.weight, policy.lm_head.weight)

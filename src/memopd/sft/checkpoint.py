@@ -16,7 +16,35 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors import safe_open
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+ALIASES = "memopd_aliases"  # safetensors metadata key: {name: the stored name whose tensor it shares}
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """save_file for a state dict whose tensors may share memory: tied weights (SmolLM2 and Qwen2.5-3B
+    tie lm_head to embed_tokens), which safetensors refuses. Each storage is stored once, under its first
+    name; the other names are recorded as aliases in the file's metadata (`load_tensors` restores them)."""
+    kept, aliases, first = {}, {}, {}
+    for name, t in tensors.items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.numel() and key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+            kept[name] = t.contiguous()
+    save_file(kept, str(path), metadata={ALIASES: json.dumps(aliases, sort_keys=True)})
+
+
+def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every name `save_tensors` was given, aliases pointing at their stored tensor."""
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        aliases = json.loads((f.metadata() or {}).get(ALIASES, "{}"))
+    for name, stored in aliases.items():
+        tensors[name] = tensors[stored]
+    return tensors
 
 
 def rng_state() -> dict:

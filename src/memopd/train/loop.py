@@ -35,8 +35,8 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
+from memopd.sft.checkpoint import load_tensors, save_tensors
 from memopd.train import parallel
 from memopd.train.ppo import PPOConfig, ValueModel, gather, ppo_update
 
@@ -59,7 +59,7 @@ def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     for name, t in tensors.items():
-        save_file(t, tmp / f"{name}.safetensors")
+        save_tensors(t, tmp / f"{name}.safetensors")  # tied weights stored once
     torch.save({"step": torch.tensor(step), **opts, **_rng_state()}, tmp / "state.pt")
     if path.exists():
         import shutil
@@ -69,8 +69,8 @@ def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt
 
 
 def load_checkpoint(path: Path, policy, critic, actor_opt, critic_opt) -> int:
-    parallel.load_full_state_dict(policy, load_file(path / "policy.safetensors"))
-    parallel.load_full_state_dict(critic, load_file(path / "critic.safetensors"))
+    parallel.load_full_state_dict(policy, load_tensors(path / "policy.safetensors"))
+    parallel.load_full_state_dict(critic, load_tensors(path / "critic.safetensors"))
     state = torch.load(path / "state.pt", weights_only=True, map_location="cpu")  # the optimizers move it
     parallel.load_optimizer_state(policy, actor_opt, state["actor_opt"])
     parallel.load_optimizer_state(critic, critic_opt, state["critic_opt"])
