@@ -24,13 +24,15 @@ def markdown(rows: list[dict], caption: str, notes: list[str] | None = None) -> 
 
 
 def write_csv(path: str | Path, rows: list[dict], columns=None) -> None:
-    """Rows to CSV (columns: the first row's keys unless given), atomically: no partial file on failure."""
+    """Rows to CSV, atomically: no partial file on failure. Columns: every key of any row, in first-seen
+    order, unless given (rows may differ: e.g. a scaled estimate carries `scaled_from`); a missing value
+    is an empty cell."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(columns or rows[0]))
+            w = csv.DictWriter(f, fieldnames=list(columns or dict.fromkeys(k for r in rows for k in r)))
             w.writeheader()
             w.writerows(rows)
         tmp.replace(path)

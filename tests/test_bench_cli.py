@@ -1,0 +1,48 @@
+"""Every `memopd bench` command writes its --out CSV (opd-memory crashed after printing its figures:
+its rows differ in columns), at a size that runs in seconds."""
+import csv
+import json
+
+import yaml
+
+from agent_support import ROOT, random_student, tokenizer
+from memopd.cli import main
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_bench_opd_memory_writes_every_row(tmp_path):
+    out = tmp_path / "opd.csv"
+    main(["bench", "opd-memory", "--tokens", "256", "--vocab", "2048", "--hidden", "32", "--chunk", "64", "--out", str(out)])
+    rows = _rows(out)
+    assert len(rows) == 4  # chunked at N, chunked and naive at the small N, naive scaled to N
+    assert [r["scaled_from"] for r in rows].count("") == 3 and rows[-1]["scaled_from"] != ""
+    assert all(float(r["extra_bytes"]) > 0 for r in rows)
+
+
+def test_bench_packing_writes_every_path(tmp_path):
+    out = tmp_path / "packing.csv"
+    cfg = {"calls": [2], "prefix_tokens": [16], "response_tokens": 4, "observation_tokens": 6, "episodes": 1,
+           "model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "vocab_size": 128},
+           "backends": ["sdpa", "prefix_shared"]}
+    main(["bench", "packing", "--cfg", json.dumps(cfg), "--repeats", "1", "--out", str(out)])
+    rows = _rows(out)
+    paths = {r["path"] for r in rows}
+    assert {"independent_batched", "packed_sdpa", "packed_prefix_shared"} <= paths
+    assert all(float(r["seconds"]) > 0 for r in rows)
+
+
+def test_bench_sft_writes_every_path(tmp_path):
+    model = tmp_path / "model"
+    random_student(0).save_pretrained(model)
+    tokenizer().save_pretrained(model)
+    out = tmp_path / "sft.csv"
+    main(["bench", "sft", "--model", str(model), "--examples", "40", "--max-bins", "3", "--out", str(out),
+          "--cfg", json.dumps({**yaml.safe_load((ROOT / "config/config.yaml").read_text())["sft"], "seq_len": 1024})])
+    rows = _rows(out)
+    assert {r["path"] for r in rows} == {"packed/segmented", "packed/sdpa", "padded"}
+    assert all(int(r["batches"]) >= 1 and float(r["seconds"]) > 0 for r in rows)
