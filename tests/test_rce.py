@@ -1,15 +1,19 @@
 """RCE: every exact backend reproduces independent calls; negative controls fail by a wide margin."""
 import random
+import re
+from dataclasses import replace
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from memopd import rce
 from memopd.attention import (BACKENDS, attn_impl, dense_mask, independent_hidden, independent_logits, lm_logits,
                               packed_hidden, packed_logits, token_logprobs)
 from memopd.packing import corrupt, flatten_persistent, pack
-from memopd.rce import RCEError, guard, rce_report
+from memopd.rce import (RCE_TOLERANCES, RCEError, compare, gate, guard, rce_backend, rce_report, report_rows,
+                        tolerances)
 from memopd.synthetic import RULES, random_episode
 
 TOL = 1e-5  # fp32
@@ -31,6 +35,8 @@ def test_rce_holds_for_random_episodes_and_rewrites(tiny_lm, seed, rule, n_calls
     report = rce_report(tiny_lm, eps, CPU_BACKENDS, dtype="float32")
     for name, r in report["backends"].items():
         assert r["max_abs_dlogp"] <= TOL, (name, r["max_abs_dlogp"])
+        assert r["max_abs_dlogit"] <= TOL, (name, r["max_abs_dlogit"])
+        assert r["passed"] and r["failed_on"] == [], name
         assert r["top1_agreement"] == 1.0, name
         assert r["action_tokens"] == sum(len(i.output_ids) for e in eps for i in e.invocations)
 
@@ -47,7 +53,7 @@ def test_several_episodes_in_one_pack_are_exact(tiny_lm):
 def test_flex_attention_forward_is_exact(tiny_lm):
     eps = _episodes(11, "retrieval_refresh", 5)
     r = rce_report(tiny_lm, eps, ["flex"])["backends"]["flex"]
-    assert r["max_abs_dlogp"] <= TOL and r["top1_agreement"] == 1.0
+    assert r["max_abs_dlogp"] <= TOL and r["max_abs_dlogit"] <= TOL and r["top1_agreement"] == 1.0 and r["passed"]
 
 
 def _sum_logprob_grads(model, fn):
@@ -111,8 +117,12 @@ def test_bool_mask_under_eager_is_silently_not_a_mask(tiny_lm):
 def test_guard_names_the_episode_and_call(tiny_lm):
     eps = _episodes(17, "suffix_retention", 3)
     guard(tiny_lm, eps, "sdpa")  # exact: passes
-    with pytest.raises(RCEError, match=r"episode \d+ task 'suffix_retention\d' call [12]"):
+    with pytest.raises(RCEError, match=r"episode \d+ task 'suffix_retention\d' call [12]") as e:
         guard(tiny_lm, eps, "posids_no_mask")
+    # a structural error moves both: the message names each quantity with its value and tolerance
+    worst = r" \(worst: episode \d+ task 'suffix_retention\d' call [12]\)"
+    assert re.search(r"max \|d log p\| [\d.e+-]+ > 0\.0001" + worst, str(e.value)), str(e.value)
+    assert re.search(r"max \|d logit\| [\d.e+-]+ > 0\.001" + worst, str(e.value)), str(e.value)
 
 
 def test_batched_independent_calls_are_the_floor(tiny_lm):
@@ -128,3 +138,105 @@ def test_prefix_shared_rejects_corrupted_visibility(tiny_lm):
     eps = _episodes(21, "full_retention", 2, n=1)
     with pytest.raises(ValueError, match="prefix_shared"):
         packed_hidden(tiny_lm, flatten_persistent(eps), "prefix_shared")
+
+
+# --- the gate: full-vocabulary max |d logit| AND max |d log p| of the sampled token -------------------
+
+def _swapped_logits(n=6, v=32, delta=1e-2, seed=0):
+    """(ref, packed, targets): packed swaps two non-target logits that differ by `delta` in every row, so the
+    softmax normaliser, hence every sampled token's log-prob, is unchanged while two other logits move by
+    `delta` (and the distribution the OPD term reads is another one)."""
+    g = torch.Generator().manual_seed(seed)
+    ref = torch.randn(n, v, generator=g, dtype=torch.float64) * 5
+    targets = torch.randint(0, v - 2, (n,), generator=g)
+    i, j = v - 2, v - 1  # never a target
+    ref[:, j] = ref[:, i] + delta
+    packed = ref.clone()
+    packed[:, i], packed[:, j] = ref[:, j], ref[:, i]
+    return ref, packed, targets
+
+
+def test_other_logits_moving_fail_rce_although_the_sampled_log_probs_are_exact():
+    ref, packed, targets = _swapped_logits()
+    stats = compare(ref, packed, targets)
+    assert stats["max_abs_dlogp"] <= 1e-6  # the sampled tokens alone look exact (log p is rounded to fp32) ...
+    assert stats["max_abs_dlogit"] == pytest.approx(1e-2)  # ... the logit vector is not
+    out = gate(stats, tolerances("float32"))
+    assert not out["passed"] and out["failed_on"] == ["dlogit"]
+    assert gate(stats, tolerances("float32", {"dlogit": 2e-2}))["passed"]  # within a looser |d logit| tolerance
+    # and the converse: a sampled-token error alone fails on |d log p|
+    shifted = ref.clone()
+    shifted[torch.arange(len(targets)), targets] += 1e-3
+    bad = gate(compare(ref, shifted, targets), {"dlogp": 1e-4, "dlogit": 1e-2})
+    assert not bad["passed"] and bad["failed_on"] == ["dlogp"]
+    assert gate(compare(ref, ref.clone(), targets), tolerances("float32"))["passed"]
+    assert not gate({**stats, "max_abs_dlogit": float("nan")}, tolerances("float32", {"dlogit": 1.0}))["passed"]
+
+
+def _one_logit_moved(real, delta=1e-2):
+    """A packed_logits that returns the exact packed logits with one non-sampled logit per row (the least
+    likely token) lowered by `delta`: the sampled token's log p moves by only ~p * delta (~2e-5 here)."""
+
+    def packed_logits(model, packed, backend, index=None):
+        out = real(model, packed, backend, index).clone()
+        low = out.detach().clone()
+        low[torch.arange(len(out)), packed.targets.to(out.device)] = float("inf")  # never the sampled token
+        out[torch.arange(len(out)), low.argmin(-1)] -= delta
+        return out
+
+    return packed_logits
+
+
+def test_guard_fails_on_a_logit_the_sampled_log_probs_do_not_see(tiny_lm, monkeypatch):
+    eps = [replace(e, task_id=f"e{k}") for k, e in enumerate(_episodes(23, "full_retention", 3))]
+    monkeypatch.setattr(rce, "packed_logits", _one_logit_moved(rce.packed_logits))
+    r = rce_backend(tiny_lm, eps, "sdpa", dtype="float32")
+    assert r["max_abs_dlogp"] <= 1e-4  # the sampled tokens alone pass (the gate before this change)
+    assert r["max_abs_dlogit"] == pytest.approx(1e-2, rel=1e-3)
+    assert not r["passed"] and r["failed_on"] == ["dlogit"]
+    assert all(not c["passed"] and c["failed_on"] == ["dlogit"] for c in r["per_call"])
+    with pytest.raises(RCEError, match=r"logit") as e:
+        guard(tiny_lm, eps, "sdpa")
+    msg = str(e.value)
+    assert re.search(r"max \|d logit\| 0\.01\d* > 0\.001 \(worst: episode \d+ task 'e\d' call \d+\)", msg), msg
+    assert "d log p" not in msg  # names only the quantity that failed
+    rep = rce_report(tiny_lm, eps, ["sdpa"], dtype="float32")
+    assert not rep["passed"] and not any(row["passed"] for row in report_rows(rep))
+
+
+def test_every_report_states_the_dtype_and_both_tolerances(tiny_lm):
+    eps = _episodes(31, "retrieval_refresh", 2)
+    for dtype in ("float32", "bfloat16"):
+        rep = rce_report(tiny_lm, eps, ["sdpa"], dtype=dtype)
+        tol = RCE_TOLERANCES[dtype]
+        assert rep["dtype"] == dtype and rep["passed"]
+        assert rep["tolerance_dlogp"] == tol["dlogp"] and rep["tolerance_dlogit"] == tol["dlogit"]
+        assert rep["tolerance"] == tol["dlogp"]  # the older single field: the |d log p| tolerance
+        r = rep["backends"]["sdpa"]
+        assert (r["tolerance_dlogp"], r["tolerance_dlogit"]) == (tol["dlogp"], tol["dlogit"])
+        rows = report_rows(rep)
+        assert len(rows) == 1 + len(r["per_call"]) and all(row["passed"] for row in rows)
+        assert all((row["dtype"], row["tolerance_dlogp"], row["tolerance_dlogit"])
+                   == (dtype, tol["dlogp"], tol["dlogit"]) for row in rows)
+    assert RCE_TOLERANCES["float32"] == {"dlogp": 1e-4, "dlogit": 1e-3}
+    assert all(t["dlogit"] >= t["dlogp"] for t in RCE_TOLERANCES.values())
+
+
+def test_tolerance_overrides():
+    assert tolerances("float32", 1e-3) == {"dlogp": 1e-3, "dlogit": 1e-3}  # a number: both
+    assert tolerances("bfloat16", {"dlogit": 1.0}) == {"dlogp": RCE_TOLERANCES["bfloat16"]["dlogp"], "dlogit": 1.0}
+    assert tolerances("float8", {"dlogp": 1e-2, "dlogit": 1e-1}) == {"dlogp": 1e-2, "dlogit": 1e-1}
+    assert tolerances("float8", 0.1)["dlogit"] == 0.1
+    with pytest.raises(ValueError, match="float8"):
+        tolerances("float8")
+    with pytest.raises(ValueError, match="logits"):
+        tolerances("float32", {"logits": 1e-3})
+    with pytest.raises(ValueError, match=">= 0"):
+        tolerances("float32", -1.0)
+
+
+def test_a_tolerance_override_reaches_the_gate(tiny_lm):
+    eps = _episodes(37, "full_retention", 3)
+    assert rce_report(tiny_lm, eps, ["posids_no_mask"], tolerance=100.0)["passed"]
+    r = rce_report(tiny_lm, eps, ["posids_no_mask"], tolerance={"dlogp": 100.0})["backends"]["posids_no_mask"]
+    assert not r["passed"] and r["failed_on"] == ["dlogit"] and r["tolerance_dlogp"] == 100.0

@@ -2,7 +2,9 @@
 
 For every sampled action token, compare the packed logits at gamma(t, k) with the logits of the
 independent call: |d log p| of the sampled token (max, p99, mean), full-vocabulary max |d logit|,
-and top-1 agreement; per call and overall; pass/fail against a tolerance chosen by dtype.
+and top-1 agreement; per call and overall. Pass/fail gates on BOTH max |d log p| <= tol["dlogp"] and
+max |d logit| <= tol["dlogit"] (the OPD term reads every logit, not only the sampled token's), with
+the tolerances chosen by compute dtype (`tolerances`) and stated in every report.
 """
 from __future__ import annotations
 
@@ -12,15 +14,84 @@ from memopd.attention import independent_logits, packed_logits, token_logprobs
 from memopd.packing import Packed, pack
 from memopd.records import Episode
 
-# Tolerance on max |d log p| of the sampled token, by compute dtype (fp32 floor ~1e-6; bf16 ~1e-2).
-# fp32: the floor grows with the logit scale (9.5e-7 on random-init tiny models, up to 4e-5 on the SFT student
-# whose logits reach |20|: reduction order only); 1e-4 keeps > 1000x below the smallest structural error
-# (~0.4 nats: a call cut off from q), so noise never stops a run and a broken state always does
-TOLERANCES = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
+# The gated quantities: name -> (statistic in a `compare` dict, how messages and captions write it).
+QUANTITIES = {"dlogp": ("max_abs_dlogp", "|d log p|"), "dlogit": ("max_abs_dlogit", "|d logit|")}
+
+# Tolerances by compute dtype, on max |d log p| of the sampled token AND on the full-vocabulary max |d logit|
+# (the one place they live; `tolerances` looks them up and applies overrides). Measured floors: packed
+# (sdpa, eager, prefix_shared) vs calls run alone, random episodes of every rule, CPU.
+#   fp32, logits up to |0.5-1.6| (random-init tiny Qwen2s: the tests' and hidden 256 / 4 layers / vocab 4096):
+#     max |d logit| 6e-8 - 1.4e-6; max |d log p| 4.8e-7 - 9.5e-7 (1-2 fp32 ulps: `token_logprobs` rounds
+#     log p to fp32). lm_head scaled so logits reach |20|, as a trained model's do: |d logit| 6.7e-6 - 1.9e-5,
+#     |d log p| 6.7e-6 - 1.7e-5; at |40| 1.3e-5 - 1.5e-5. The floor (reduction order only) grows up to
+#     ~1e-6 x max|logit|; an earlier measurement on the SFT student gave up to 4e-5 |d log p| at |20|.
+#   Structural errors, |d logit| / |d log p| (tiny Qwen2, sdpa): persistent history or a leaking mask
+#     0.09-0.18 / 0.04-0.11 at |1|, 2.3-4.8 / 0.8-3.3 at |20|; running positions only 2.5e-3 - 4.7e-3 /
+#     6e-4 - 3e-3 at |1|, 0.07-0.12 / 0.02-0.1 at |20|; position ids without a mask 0.17-0.36 at |1|,
+#     4.5-9.5 at |20|. Logit errors exceed log-p errors: |d log p| <= 2 max|d logit| always, but a shift
+#     common to all logits cancels in log p, and the max over the vocabulary is an extreme value.
+#   fp32 |d log p| 1e-4: > 1000x below the smallest structural error on a trained model (~0.4 nats, a call
+#     cut off from q), > 2x above the student's 4e-5. fp32 |d logit| 1e-3: 50x above the measured floor at
+#     |20| (room for the extreme value over a 151,936-token vocabulary and other kernels), 2.5x - 2000x below
+#     every structural logit error above (> 2000x below the persistent history at |20|).
+#   bf16 / fp16: packed and independent logits differ by 1 ulp of the logit: bf16 3.9e-3 at |0.78|, 0.125 at
+#     |20| (the ulp in [16, 32)), 0.25 at |40|; fp16 4.9e-4 at |0.7|, 1.6e-2 at |20| (measured pure and, for
+#     bf16, under autocast as the training guard runs). |d logit| tolerance = 4 ulps of a logit in [16, 32)
+#     (2 in [32, 64)): bf16 0.5, fp16 0.0625. |d log p| follows the same ulp: bf16 measured 0.12-0.14 at
+#     |20| and up to 0.34 at |40| (the former 5e-2 would stop a trained bf16 model on noise), so bf16
+#     |d log p| is 0.5 too (still below the persistent history's 0.8-3.3 at |20|; a positions-only error
+#     of a trained model, 0.02-0.1, is under the bf16 floor and only fp32 can see it); fp16 1.6e-2 at |20|,
+#     under its 2e-2.
+RCE_TOLERANCES = {
+    "float32": {"dlogp": 1e-4, "dlogit": 1e-3},
+    "float16": {"dlogp": 2e-2, "dlogit": 6.25e-2},
+    "bfloat16": {"dlogp": 0.5, "dlogit": 0.5},
+}
+# The |d log p| column alone, for callers that score sampled tokens only (e.g. alignment.state_rows'
+# at_floor). RCE pass/fail reads `tolerances` (both quantities).
+TOLERANCES = {dtype: tol["dlogp"] for dtype, tol in RCE_TOLERANCES.items()}
 
 
 class RCEError(AssertionError):
     """A packed representation is not equivalent to the rollout it came from."""
+
+
+def tolerances(dtype: str = "float32", tolerance: float | dict | None = None) -> dict[str, float]:
+    """{"dlogp": ..., "dlogit": ...} for `dtype`. `tolerance` overrides: a number applies to both
+    quantities, a dict to the ones it names (the others keep the dtype's values)."""
+    if tolerance is not None and not isinstance(tolerance, dict):
+        tolerance = dict.fromkeys(QUANTITIES, tolerance)
+    override = {q: float(v) for q, v in (tolerance or {}).items() if v is not None}
+    unknown = set(override) - set(QUANTITIES)
+    if unknown:
+        raise ValueError(f"unknown RCE tolerance key(s) {sorted(unknown)}; known: {', '.join(QUANTITIES)}")
+    if set(override) == set(QUANTITIES):
+        tol = override  # complete: no dtype needed
+    elif dtype in RCE_TOLERANCES:
+        tol = {**RCE_TOLERANCES[dtype], **override}
+    else:
+        raise ValueError(f"no RCE tolerance for dtype {dtype!r}; known: {', '.join(RCE_TOLERANCES)} "
+                         f"(or pass tolerance=)")
+    if any(not v >= 0 for v in tol.values()):
+        raise ValueError(f"RCE tolerances must be >= 0, got {tol}")
+    return tol
+
+
+def tolerance_fields(tol: dict[str, float]) -> dict[str, float]:
+    """The tolerances as flat report / CSV fields: tolerance_dlogp, tolerance_dlogit."""
+    return {f"tolerance_{q}": tol[q] for q in QUANTITIES}
+
+
+def failed_quantities(stats: dict, tol: dict[str, float]) -> list[str]:
+    """The quantities ("dlogp", "dlogit") whose max exceeds its tolerance (NaN fails)."""
+    return [q for q, (key, _) in QUANTITIES.items() if not stats[key] <= tol[q]]
+
+
+def gate(stats: dict, tol: dict[str, float]) -> dict:
+    """`stats` (a `compare` dict) with the verdict: passed iff max |d log p| <= tol["dlogp"] and max |d logit|
+    <= tol["dlogit"]; failed_on names the quantities that did not."""
+    failed = failed_quantities(stats, tol)
+    return {**stats, "passed": not failed, "failed_on": failed}
 
 
 def compare(ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict:
@@ -46,59 +117,80 @@ def _per_call(packed: Packed) -> list[tuple[int, int, torch.Tensor]]:
 
 
 @torch.no_grad()
-def rce_backend(model, episodes: list[Episode], backend: str, tolerance: float, layout: str = "exact",
-                ref_logits: torch.Tensor | None = None, max_len: int | None = None) -> dict:
-    """RCE of one backend over `episodes` (packed together when they fit, one pack each otherwise)."""
+def rce_backend(model, episodes: list[Episode], backend: str, tolerance: float | dict | None = None,
+                layout: str = "exact", ref_logits: torch.Tensor | None = None, max_len: int | None = None,
+                dtype: str = "float32") -> dict:
+    """RCE of one backend over `episodes` (packed together when they fit, one pack each otherwise), gated
+    on both quantities; `tolerance` as in `tolerances(dtype, tolerance)`."""
+    tol = tolerances(dtype, tolerance)
     packs = [pack(ep, max_len=max_len, layout=layout) for ep in episodes]
     logits = torch.cat([packed_logits(model, p, backend) for p in packs])
     targets = torch.cat([p.targets for p in packs])
     if ref_logits is None:
         ref_logits = independent_logits(model, episodes)
-    out = compare(ref_logits, logits, targets)
-    out["passed"] = out["max_abs_dlogp"] <= tolerance
+    out = {**gate(compare(ref_logits, logits, targets), tol), **tolerance_fields(tol)}
     calls, offset = [], 0
     for e, p in enumerate(packs):
         n = p.targets.numel()
         for _, t, m in _per_call(p):
             sel = m.nonzero().squeeze(-1) + offset
             calls.append({"episode": e, "task_id": episodes[e].task_id, "call": t,
-                          **compare(ref_logits[sel], logits[sel], targets[sel])})
+                          **gate(compare(ref_logits[sel], logits[sel], targets[sel]), tol)})
         offset += n
     out["per_call"] = calls
     return out
 
 
-def rce_report(model, episodes: list[Episode], backends, dtype: str = "float32", tolerance: float | None = None,
-               layout: str = "exact") -> dict:
-    """The RCE report of several backends against one independent reference."""
-    tol = TOLERANCES[dtype] if tolerance is None else tolerance
+def rce_report(model, episodes: list[Episode], backends, dtype: str = "float32",
+               tolerance: float | dict | None = None, layout: str = "exact") -> dict:
+    """The RCE report of several backends against one independent reference. States the dtype and both
+    tolerances (tolerance_dlogp, tolerance_dlogit; `tolerance` repeats tolerance_dlogp for older readers)."""
+    tol = tolerances(dtype, tolerance)
     with torch.no_grad():
         ref = independent_logits(model, episodes)
-    report = {"dtype": dtype, "tolerance": tol, "layout": layout, "episodes": len(episodes), "backends": {}}
+    report = {"dtype": dtype, "tolerance": tol["dlogp"], **tolerance_fields(tol), "layout": layout,
+              "episodes": len(episodes), "backends": {}}
     for b in backends:
-        report["backends"][b] = rce_backend(model, episodes, b, tol, layout=layout, ref_logits=ref)
+        report["backends"][b] = rce_backend(model, episodes, b, tol, layout=layout, ref_logits=ref, dtype=dtype)
     report["passed"] = all(r["passed"] for r in report["backends"].values())
     return report
 
 
 def report_rows(report: dict) -> list[dict]:
-    """Flatten a report to CSV rows: one per (backend, episode, call) plus one overall row per backend."""
+    """Flatten a report to CSV rows: one per (backend, episode, call) plus one overall row per backend; every
+    row states the dtype and both tolerances its `passed` was judged against."""
     rows = []
     keys = ["max_abs_dlogp", "p99_abs_dlogp", "mean_abs_dlogp", "max_abs_dlogit", "top1_agreement", "action_tokens"]
+    tol = {q: report[f"tolerance_{q}"] for q in QUANTITIES}
+    judged = {"dtype": report["dtype"], **tolerance_fields(tol)}
     for name, r in report["backends"].items():
-        rows.append({"backend": name, "episode": "all", "call": "all", **{k: r[k] for k in keys}, "passed": r["passed"]})
+        rows.append({"backend": name, "episode": "all", "call": "all", **{k: r[k] for k in keys}, "passed": r["passed"],
+                     **judged})
         for c in r["per_call"]:
             rows.append({"backend": name, "episode": c["episode"], "call": c["call"], **{k: c[k] for k in keys},
-                         "passed": c["max_abs_dlogp"] <= report["tolerance"]})
+                         "passed": not failed_quantities(c, tol), **judged})
     return rows
 
 
-def guard(model, episodes: list[Episode], backend: str, dtype: str = "float32", tolerance: float | None = None) -> dict:
-    """Raise RCEError naming the worst episode and call if packed scoring is not exact."""
-    tol = TOLERANCES[dtype] if tolerance is None else tolerance
-    r = rce_backend(model, episodes, backend, tol)
+def failure_message(r: dict, backend: str, tol: dict[str, float], dtype: str | None = None) -> str:
+    """Which quantity failed (|d log p| and/or |d logit|), its max, its tolerance, and the worst episode /
+    task / call for each, from an `rce_backend` result."""
+    parts = []
+    for q in failed_quantities(r, tol):
+        key, label = QUANTITIES[q]
+        worst = max(r["per_call"], key=lambda c: c[key] if c[key] == c[key] else float("inf"))  # NaN is worst
+        parts.append(f"max {label} {r[key]:.3g} > {tol[q]:g} (worst: episode {worst['episode']} task "
+                     f"{worst['task_id']!r} call {worst['call']})")
+    where = f"backend {backend}" + (f" ({dtype})" if dtype else "")
+    return f"RCE failed for {where}: " + "; ".join(parts)
+
+
+def guard(model, episodes: list[Episode], backend: str, dtype: str = "float32",
+          tolerance: float | dict | None = None) -> dict:
+    """Raise RCEError naming the failed quantity and the worst episode and call if packed scoring is not
+    exact (max |d log p| or full-vocabulary max |d logit| above the dtype's tolerance)."""
+    tol = tolerances(dtype, tolerance)
+    r = rce_backend(model, episodes, backend, tol, dtype=dtype)
     if not r["passed"]:
-        worst = max(r["per_call"], key=lambda c: c["max_abs_dlogp"])
-        raise RCEError(f"RCE failed for backend {backend}: max |d log p| {r['max_abs_dlogp']:.3g} > {tol:g} "
-                       f"(worst: episode {worst['episode']} task {worst['task_id']!r} call {worst['call']})")
+        raise RCEError(failure_message(r, backend, tol, dtype))
     return r

@@ -127,13 +127,13 @@ def alignment_step(cfg: dict, model_dir: str, episodes_path: str, out: str) -> l
     """Table 3: persistent history, batched independent calls and every packed backend vs each call run
     alone, at the sampled action tokens."""
     from memopd.audit.alignment import state_rows
-    from memopd.rce import TOLERANCES
+    from memopd.rce import tolerances
 
     episodes, meta = read_episodes(episodes_path)
     model = _load(model_dir, cfg["dtype"])
     states = ["persistent_history", "independent_batched"] + [f"packed_{b}" for b in cfg["backends"]]
     rows = state_rows(model, episodes, states, clip=cfg["clip"], dtype=cfg["dtype"])
-    tol = TOLERANCES[cfg["dtype"]]
+    tol = tolerances(cfg["dtype"])["dlogp"]  # this table scores the sampled tokens only (the |d log p| column)
     r = {x["state"]: x for x in rows}
     packed = [x for x in rows if x["state"].startswith("packed_")]
     worst = max(packed, key=lambda x: x["max_abs_dlogp"])
@@ -287,7 +287,7 @@ def action_domain_step(cfg: dict, episodes_path: str, out: str) -> list[dict]:
 def context_updates_step(cfg: dict, model_dir: str, episode_paths: list[str], out: str) -> list[dict]:
     """RCE per memory-rewrite rule (one episode file per rule) and backend."""
     from memopd.audit.alignment import context_update_rows
-    from memopd.rce import TOLERANCES
+    from memopd.rce import tolerances
 
     by_rule, metas = {}, []
     for p in episode_paths:
@@ -301,13 +301,16 @@ def context_updates_step(cfg: dict, model_dir: str, episode_paths: list[str], ou
         row["calls"], row["retained_tokens"] = calls[row["rule"]]
     order = ["rule", "backend", "episodes", "calls", "memory_updates", "retained_tokens"]
     rows = [{**{k: row[k] for k in order}, **{k: v for k, v in row.items() if k not in order}} for row in rows]
-    tol = TOLERANCES[cfg["dtype"]]
+    tol = tolerances(cfg["dtype"])
+    gate = f"max |d log p| <= {tol['dlogp']:g} and full-vocabulary max |d logit| <= {tol['dlogit']:g}"
     failed = [f"{x['rule']}/{x['backend']}" for x in rows if not x["passed"]]
     notes = [f"Finding: {len(rows) - len(failed)} of {len(rows)} (rule, backend) pairs at the {cfg['dtype']} floor "
-             f"(max |d log p| <= {tol:g})" + (f"; failed: {', '.join(failed)}" if failed else "") + "; worst "
-             f"{max(x['max_abs_dlogp'] for x in rows):.2e}."]
+             f"({gate})" + (f"; failed: {', '.join(failed)}" if failed else "") + "; worst max |d log p| "
+             f"{max(x['max_abs_dlogp'] for x in rows):.2e}, worst max |d logit| "
+             f"{max(x['max_abs_dlogit'] for x in rows):.2e}."]
     m = metas[0]
-    caption = (f"Context updates: RCE (packed vs each call run alone) per memory-rewrite rule and backend. Model "
+    caption = (f"Context updates: RCE (packed vs each call run alone) per memory-rewrite rule and backend; passed = "
+               f"{gate} ({cfg['dtype']} tolerances). Model "
                f"{Path(model_dir).name} scored in {cfg['dtype']} on {_device()}{_flex_note(cfg['backends'])}; "
                f"per rule: "
                f"{m['episodes']} {m['benchmark']} trajectories rolled out by {m['model']} (invalid_action "
@@ -322,6 +325,7 @@ def packing_step(cfg: dict, model_dir: str, episodes_path: str, out: str, figure
     """Packing efficiency: synthetic sweep (the benchmark's tiny model) and real audit episodes (the audit
     model), every path, forward and forward+backward, each row with its RCE error."""
     from memopd.audit.packing_bench import DEFAULTS, run_real, run_sweep, summarize
+    from memopd.rce import tolerances
 
     pk = cfg["packing"]
     backends = pk.get("backends") or cfg["backends"]
@@ -340,10 +344,12 @@ def packing_step(cfg: dict, model_dir: str, episodes_path: str, out: str, figure
              f"{syn['prefix_tokens']})" + ("" if full else ", a reduced sweep: the full nine (calls [4, 8, 16] x "
                                                              "prefix [128, 256, 512]) exceed the embedded time budget; "
                                                              "set audit.packing.synthetic for the full sweep"))
-    m = syn["model"]
+    m, tol = syn["model"], tolerances("float32")
     caption = (f"Packing efficiency: median seconds of {pk['repeats']} timed repeat(s) after a warm-up, speedup vs "
                f"independent calls batched with padding, token ratio R = independent tokens / packed tokens, FLOP "
-               f"ratio, and each path's RCE error (max |d log p| vs calls run one by one). float32 on {_device()}, "
+               f"ratio, and each path's RCE error vs calls run one by one (max |d log p| of the sampled tokens, "
+               f"full-vocabulary max |d logit|; exact: <= {tol['dlogp']:g} and <= {tol['dlogit']:g}, the float32 "
+               f"tolerances). float32 on {_device()}, "
                f"{torch.get_num_threads()} torch thread(s){_flex_note(backends)}. Synthetic: {sweep}, "
                f"full-retention episodes of {syn['episodes']} episode(s), ~{syn['observation_tokens']}+"
                f"{syn['response_tokens']} context and {syn['response_tokens']} response tokens per call, tiny Qwen2 "
@@ -356,13 +362,13 @@ def packing_step(cfg: dict, model_dir: str, episodes_path: str, out: str, figure
 
 
 def _packing_figure(rows: list[dict], path: str) -> None:
-    from memopd.rce import TOLERANCES
+    from memopd.audit.packing_bench import rce_exact
 
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4.5))
     best = {}
     for r in rows:
-        if r["path"].startswith("packed_") and r["rce_max_abs_dlogp"] <= TOLERANCES["float32"]:
+        if r["path"].startswith("packed_") and rce_exact(r):
             k = (r["episodes"], r["calls"], r["prefix_tokens"], r["pass"])
             if k not in best or r["speedup_vs_batched"] > best[k]["speedup_vs_batched"]:
                 best[k] = r
