@@ -42,10 +42,14 @@ QUANTITIES = {"dlogp": ("max_abs_dlogp", "|d log p|"), "dlogit": ("max_abs_dlogi
 #     |d log p| is 0.5 too (still below the persistent history's 0.8-3.3 at |20|; a positions-only error
 #     of a trained model, 0.02-0.1, is under the bf16 floor and only fp32 can see it); fp16 1.6e-2 at |20|,
 #     under its 2e-2.
+#   SmolLM2-135M-Instruct (the packaged base model, vocab 49,152), 5 synthetic episodes of real-range ids,
+#     one per rule, sdpa / prefix_shared: fp32 max |d logit| 9.6e-5 / 7.8e-5, |d log p| 2.3e-5 / 2.1e-5
+#     (10x under 1e-3 / 4x under 1e-4); bf16 autocast |d logit| 0.5 (its logits reach the [64, 128) binade,
+#     ulp 0.5), |d log p| 0.17-0.19. So bf16 |d logit| is 1.0 (2 ulps there).
 RCE_TOLERANCES = {
     "float32": {"dlogp": 1e-4, "dlogit": 1e-3},
     "float16": {"dlogp": 2e-2, "dlogit": 6.25e-2},
-    "bfloat16": {"dlogp": 0.5, "dlogit": 0.5},
+    "bfloat16": {"dlogp": 0.5, "dlogit": 1.0},
 }
 # The |d log p| column alone, for callers that score sampled tokens only (e.g. alignment.state_rows'
 # at_floor). RCE pass/fail reads `tolerances` (both quantities).
