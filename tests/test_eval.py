@@ -40,7 +40,7 @@ def test_eval_cli_writes_contract(tmp_path, monkeypatch):
     cfg = {"agent": {"rule": "summary_replacement", "turns": {"default": 3}, "invalid_action": "continue",
                      "max_observation_tokens": 32},
            "rollout": {"backend": "hf", "dtype": "float32", "batch_size": 4, "max_new_tokens": 8, "temperature": 1.0},
-           "eval": {"max_tasks": 4, "temperature": 0.0}}
+           "eval": {"max_tasks": 4, "temperature": 0.0, "max_new_tokens": None}}  # null: the rollout's budget
     out = tmp_path / "eval/student/q2_test.json"
     main(["eval", "--cfg", json.dumps(cfg), "--seed", "1", "--model", str(model_dir), "--benchmark",
           str(tmp_path / "q2_test.parquet"), "--index", "unused", "--out-dir", str(out.parent)])
@@ -48,6 +48,7 @@ def test_eval_cli_writes_contract(tmp_path, monkeypatch):
     assert CONTRACT <= set(res) and res["episodes"] == 4
     assert 0 <= res["em"] <= 1 and 0 <= res["f1"] <= 1 and res["calls_per_episode"] == 3  # random init: no answers
     assert res["invalid_action_rate"] == 1.0 and res["inference_time_s"] > 0
+    assert res["max_new_tokens"] == 8 and res["temperature"] == 0.0  # the protocol it used
     eps = load_episodes(out.with_suffix(".episodes.parquet"))
     assert len(eps) == 4 and res == {**res, **aggregate(eps, res["inference_time_total_s"])}
     rows = out.with_suffix(".csv").read_text().splitlines()
@@ -79,6 +80,56 @@ def test_eval_several_benchmarks_equal_separate_runs(tmp_path, monkeypatch):
         both, alone = (load_episodes(tmp_path / d / f"{b}.episodes.parquet") for d in ("both", f"alone_{b}"))
         assert len(both) == n and [e.invocations for e in both] == [e.invocations for e in alone]
         assert max(len(i.output_ids) for e in both for i in e.invocations) == max_new  # its own budget
+        assert json.loads((tmp_path / "both" / f"{b}.json").read_text())["max_new_tokens"] == max_new  # recorded
+
+
+def _budgets(cfg: dict) -> dict[str, int]:
+    """Effective evaluation response budget per benchmark (what memopd eval samples with)."""
+    from memopd.agent.evaluate import eval_overrides, make_sampling
+
+    return {b: make_sampling(cfg["rollout"], **eval_overrides(cfg["eval"], b)).max_new_tokens
+            for b in cfg["eval"]["benchmarks"]}
+
+
+def test_evaluation_uses_the_training_rollout_budget_unless_the_config_says_otherwise():
+    """Paper scale: every benchmark is evaluated with rollout.max_new_tokens, the budget the policies were
+    trained with (failed before: 64 on Q2 and Wiki-RAG against 1,024 in training, so answers were cut and
+    counted invalid). A config value still wins, per benchmark, and the embedded default keeps its numbers."""
+    import yaml
+
+    from agent_support import ROOT
+
+    paper = yaml.safe_load((ROOT / "config/paper.yaml").read_text())
+    assert set(_budgets(paper).values()) == {paper["rollout"]["max_new_tokens"]} == {1024}
+    override = {**paper, "eval": {**paper["eval"], "max_new_tokens": {"default": None, "q8_test": 320}}}
+    assert _budgets(override) == {"q2_test": 1024, "q8_test": 320, "q16_test": 1024, "wikirag_test": 1024}
+    embedded = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    assert _budgets(embedded) == {"q2_test": 64, "q8_test": 320, "q16_test": 512, "wikirag_test": 64}
+
+
+def test_result_tables_state_the_evaluation_budget(tmp_path):
+    """Tables 1-2 captions name the response budget the evaluations recorded (one number, or per horizon)."""
+    from memopd.report.results import budget_note
+
+    train = {"methods": ["ppo", "memopd"], "seeds": [0, 1], "horizons": {"q2_test": "Q2", "wikirag_test": "wikirag"},
+             "student": "student_sft", "teacher": "teacher_sft", "steps": 2, "batch_tasks": 4}
+    for m in train["methods"]:
+        for s in train["seeds"]:
+            for b in train["horizons"]:
+                d = tmp_path / "eval" / f"{m}_seed{s}"
+                d.mkdir(parents=True, exist_ok=True)
+                (d / f"{b}.json").write_text(json.dumps({"em": 0.1 * s, "f1": 0.2, "peak_context_tokens": 100,
+                                                         "inference_time_s": 1.0, "dependency": 5.0,
+                                                         "max_new_tokens": 1024}))
+    main(["report", "results", "--cfg", json.dumps(train), "--eval-dir", str(tmp_path / "eval"), "--out-dir",
+          str(tmp_path / "tables"), "--figure", str(tmp_path / "f1.png")])
+    for table in ("multiobjective", "wikirag"):
+        caption = (tmp_path / "tables" / f"{table}.md").read_text().splitlines()[0]
+        assert "response budget 1024 new tokens per call" in caption, caption
+    mixed = {("ppo", "q2_test"): {0: {"max_new_tokens": 64}}, ("ppo", "q8_test"): {0: {"max_new_tokens": 320}},
+             ("memopd", "q8_test"): {0: {}}}
+    assert budget_note(mixed, {"q2_test": "Q2", "q8_test": "Q8"}) == \
+        "response budget (new tokens per call) Q2 64, Q8 320/not recorded"
 
 
 @pytest.mark.parametrize("cfg_file", ["config/config.yaml", "config/paper.yaml"])

@@ -29,6 +29,50 @@ def test_reverse_kl_is_zero_for_identical_distributions():
     assert reverse_kl(h, s_head, h, s_head).abs().max() < 1e-6
 
 
+# Qwen2.5-3B (student) and Qwen2.5-7B (teacher): one tokenizer of 151,665 ids, heads padded differently
+QWEN_3B_ROWS, QWEN_7B_ROWS, QWEN_VOCAB = 151_936, 152_064, 151_665
+
+
+def _kl_over(ls, lt, v):
+    """Independent reference: KL(p_s || p_t) of the two softmaxes over the first v logits."""
+    return F.kl_div(torch.log_softmax(lt[:, :v], -1), torch.log_softmax(ls[:, :v], -1), log_target=True,
+                    reduction="none").sum(-1)
+
+
+def test_reverse_kl_over_the_shared_vocabulary_of_differently_padded_heads():
+    """A 151,936-row student head vs a 152,064-row teacher head (small hidden sizes): the KL runs over the
+    shared ids, len(tokenizer) when given, else the rows both heads have (failed before: the two
+    log-softmaxes do not broadcast, so paper-scale OPD crashed)."""
+    torch.manual_seed(0)
+    s_head, t_head = torch.nn.Linear(8, QWEN_3B_ROWS), torch.nn.Linear(12, QWEN_7B_ROWS)
+    hs, ht = torch.randn(6, 8, requires_grad=True), torch.randn(6, 12)
+    with torch.no_grad():
+        ls, lt = s_head(hs), t_head(ht)
+    for vocab, v in ((None, QWEN_3B_ROWS), (QWEN_VOCAB, QWEN_VOCAB)):
+        got = reverse_kl(hs, s_head, ht, t_head, chunk_size=4, vocab=vocab)
+        torch.testing.assert_close(got, _kl_over(ls, lt, v), atol=1e-6, rtol=1e-5)
+    loss, _ = opd_loss(hs, s_head, ht, t_head, vocab=QWEN_VOCAB)
+    loss.backward()
+    assert s_head.weight.grad[QWEN_VOCAB:].abs().max() == 0  # padded rows: masked out, no gradient
+    assert s_head.weight.grad[:QWEN_VOCAB].abs().max() > 0
+    with pytest.raises(ValueError, match="shared vocabulary"):
+        reverse_kl(hs, s_head, ht, t_head, vocab=QWEN_3B_ROWS + 1)
+
+
+def test_shared_vocabulary_kl_is_the_policys_own_kl_when_padded_rows_hold_no_mass():
+    """What is computed, for a student whose padded rows carry no probability (a trained model): the KL of
+    its full-head softmax (the policy, not renormalised) against the teacher's softmax over the real ids."""
+    torch.manual_seed(1)
+    s_head, t_head = torch.nn.Linear(8, 40), torch.nn.Linear(12, 48)
+    with torch.no_grad():
+        s_head.bias[30:] = -1e4  # padded rows of the student: exp(-1e4) = 0
+    hs, ht = torch.randn(5, 8), torch.randn(5, 12)
+    policy = torch.log_softmax(s_head(hs), -1)[:, :30]  # the policy over its whole head, at the real ids
+    target = torch.log_softmax(t_head(ht)[:, :30], -1)
+    want = (policy.exp() * (policy - target)).sum(-1)
+    torch.testing.assert_close(reverse_kl(hs, s_head, ht, t_head, vocab=30), want.detach(), atol=1e-6, rtol=1e-5)
+
+
 def test_chunked_gradients_equal_unchunked():
     s_head, t_head = _heads()
     hs = torch.randn(23, 16, requires_grad=True)

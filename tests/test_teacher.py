@@ -251,6 +251,24 @@ def test_llm_teacher_client_through_the_rollout(prompt):
         assert later and all("<|im_start|>" not in m["content"] for m in later)
 
 
+def test_vllm_server_runs_under_the_steps_own_interpreter(tmp_path, monkeypatch):
+    """`vllm serve` is started as `sys.executable -m vllm.entrypoints.cli.main serve` (what the `vllm` script
+    runs), whatever PATH holds: Snakemake run as .venv/bin/snakemake without activation has no vllm on PATH
+    (failed before: shutil.which("vllm") refused to start). No server is started here."""
+    import sys
+
+    from memopd.agent.llm_teacher import VLLMServer
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH
+    server = VLLMServer("openai/gpt-oss-120b", tmp_path / "vllm.log", seed=3, port=8123, max_model_len=4096)
+    assert server.cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "openai/gpt-oss-120b"]
+    assert server.cmd[server.cmd.index("--port") + 1] == "8123" and "--max-model-len" in server.cmd
+    if importlib.util.find_spec("vllm") is None:  # CPU install: refused when started, naming the interpreter
+        with pytest.raises(RuntimeError, match=re.escape(sys.executable)):
+            server.__enter__()
+        assert server.proc is None and not (tmp_path / "vllm.log").exists()
+
+
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (envs/gpu.yaml)")
 
 

@@ -56,6 +56,53 @@ def test_resume_after_an_interruption_matches_the_uninterrupted_run(setup, tmp_p
     assert all(k in full[0] for k in ("time/rollout_s", "time/score_s", "time/update_s", "opd/loss"))
 
 
+def test_resume_refuses_another_runs_checkpoint_and_keeps_every_step_once(setup, tmp_path):
+    """A checkpoint is resumed only by its own run: a changed config (or method) is refused before any model
+    loads, naming what changed (failed before: any checkpoint/ was resumed). Its metrics come back with it:
+    Snakemake deletes metrics.jsonl before it retries a job, and the resumed run's file still holds every
+    step exactly once (failed before: the steps before the checkpoint were lost)."""
+    from memopd.train.loop import ResumeMismatch
+
+    d, cfg = setup
+    cfg = {**cfg, "train": {**cfg["train"], "steps": 2}}
+    out = tmp_path / "run"
+    first = _run((d, cfg), out, stop_after=1)
+    (out / "metrics.jsonl").unlink()  # what Snakemake does to the outputs of a job it retries
+    changed = {**cfg, "train": {**cfg["train"], "lr_actor": 2 * cfg["train"]["lr_actor"]}}
+    with pytest.raises(ResumeMismatch, match=r"config\.train\.lr_actor: 0\.0001 -> 0\.0002"):
+        _run((d, changed), out)
+    with pytest.raises(ResumeMismatch, match=r"method: 'memopd' -> 'ppo'"):
+        _run((d, cfg), out, method="ppo")
+    resumed = _run((d, cfg), out)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1] and [m["step"] for m in resumed] == [1]
+    assert lines[0] == json.loads(json.dumps(first[0], sort_keys=True))
+    # train.steps is not part of a run's identity (a finished run can be extended), but fewer steps than
+    # the checkpoint holds would export a model trained further than asked
+    with pytest.raises(ResumeMismatch, match="past train.steps 1"):
+        _run((d, {**cfg, "train": {**cfg["train"], "steps": 1}}), out)
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_before_any_model_loads(setup, tmp_path):
+    """OPD compares student and teacher id by id: the train step refuses a teacher whose tokenizer maps an
+    id to another token (failed before: the run trained against it)."""
+    import shutil
+
+    from memopd.vocab import TokenizerMismatch
+
+    d, cfg = setup
+    teacher = shutil.copytree(d / "teacher", tmp_path / "teacher")
+    spec = json.loads((teacher / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (teacher / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(TokenizerMismatch, match=f"tokenizers differ: id {vocab[b]}: "):
+        train_run(cfg, "memopd", 0, d / "student", teacher, d / "q2_train.parquet", d / "index", tmp_path / "run",
+                  log=lambda *a: None)
+    assert not (tmp_path / "run").exists()  # refused before the run started
+
+
 def test_the_data_order_is_the_same_for_every_method():
     assert task_order(10, 4, 3, seed=5) == task_order(10, 4, 3, seed=5)
     assert task_order(10, 4, 3, seed=5) != task_order(10, 4, 3, seed=6)
@@ -119,6 +166,7 @@ def _two_ranks(setup, out, stop_after=None):
     mp.start_processes(_train_worker, args=(2, port, setup, out, stop_after), nprocs=2, start_method="fork")
 
 
+@pytest.mark.slow  # two gloo ranks in subprocesses: 10-20 s each
 @pytest.mark.parametrize("shard", ["none", "fsdp"])
 def test_two_ranks_train_like_one(setup, tmp_path, shard):
     """train_run under 2 gloo ranks (what torchrun runs): each rank rolls out and scores its share,

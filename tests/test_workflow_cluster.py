@@ -72,6 +72,44 @@ def test_multi_gpu_training_starts_one_torchrun_rank_per_gpu(paper_dry_run):
         assert len(launches) == PAPER_JOBS[rule], (rule, len(launches))
 
 
+def test_multi_gpu_jobs_stay_on_one_node(paper_dry_run):
+    """A job with several GPUs runs torchrun --standalone in its one task, which starts every rank on that
+    task's node: it asks SLURM for one node (`nodes` -> --nodes=1), else its GPUs could be spread over nodes
+    the ranks never reach (failed before: no nodes resource)."""
+    multi = [j for j in dry_run_jobs(paper_dry_run) if j["resources"].get("gpu", 0) > 1]
+    assert {j["rule"] for j in multi} >= {"train", "sft_train"}
+    assert all(j["resources"].get("nodes") == 1 for j in multi), [(j["rule"], j["resources"]) for j in multi]
+    single = [j for j in dry_run_jobs(paper_dry_run) if j["resources"].get("gpu") == 1]
+    assert single and not any("nodes" in j["resources"] for j in single)
+
+
+def test_the_gpu_stack_pins_one_exact_vllm():
+    """memopd.train.weight_sync reaches into vLLM's engine internals: pyproject's [gpu] extra and
+    envs/gpu.yaml pin the same exact version (failed before: vllm>=0.10, any future release)."""
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    env = yaml.safe_load((REPO / "envs" / "gpu.yaml").read_text())["dependencies"]
+    pip = next(d["pip"] for d in env if isinstance(d, dict))
+    pins = [p for p in [*extra, *pip] if re.match(r"vllm\b", p)]
+    assert len(pins) == 2 and pins[0] == pins[1], pins
+    assert re.fullmatch(r"vllm==\d+\.\d+\.\d+", pins[0]), pins[0]
+
+
+def test_the_profile_retries_failed_jobs():
+    """Preempted or timed-out jobs are resubmitted (resume makes that safe; failed before: no retries)."""
+    profile = yaml.safe_load((REPO / "slurm" / "config.yaml").read_text())
+    assert profile.get("retries", 0) >= 1
+
+
+def test_the_corpus_download_is_not_tracked():
+    """The ~14 GB wiki-18 download lands in data/wiki18/ inside the checkout: git ignores it."""
+    import subprocess
+
+    if subprocess.run(["git", "rev-parse"], cwd=REPO, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    r = subprocess.run(["git", "check-ignore", "-q", "data/wiki18/wiki-18.jsonl"], cwd=REPO)
+    assert r.returncode == 0, "data/wiki18/ is not ignored by git"
+
+
 def test_every_rule_declares_its_kind():
     """A step without ENV_CPU / ENV_GPU would escape the GPU check and run without a conda env."""
     kinds = rule_kinds()
@@ -138,7 +176,8 @@ def test_lint_clean():
     assert "Lints for" not in out and "Congratulations" in out, out
 
 
-@pytest.mark.parametrize("env", ["cpu", "gpu"])
+# ids without the bare word "gpu": conftest skips tests with a `gpu` keyword on CPU, and a parameter id is one
+@pytest.mark.parametrize("env", ["cpu", "gpu"], ids=["cpu_env", "gpu_env"])
 def test_conda_env_files(env):
     """Valid conda env files whose pip lists cover pyproject's dependencies, with no relative paths
     (Snakemake builds an env from a copy of the file under .snakemake/conda/)."""

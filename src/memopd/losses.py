@@ -50,17 +50,49 @@ def _reverse_kl_chunk(h_s, w_s, b_s, h_t, w_t, b_t):
     return (logp_s.exp() * (logp_s - logp_t)).sum(-1)
 
 
+def shared_vocab(student_rows: int, teacher_rows: int, vocab: int | None = None) -> int:
+    """The number of leading logit rows the KL runs over: `vocab` (the tokenizer's real ids, len(tokenizer))
+    or, when None, the rows both heads have. Heads of one tokenizer are padded to different sizes
+    (Qwen2.5-3B: 151,936 rows, Qwen2.5-7B: 152,064, for 151,665 real ids); the rows past the tokenizer
+    are never tokens."""
+    rows = min(student_rows, teacher_rows)
+    if vocab is None:
+        return rows
+    if not 0 < vocab <= rows:
+        raise ValueError(f"shared vocabulary {vocab} outside 1..{rows} (student head {student_rows} rows, "
+                         f"teacher head {teacher_rows})")
+    return vocab
+
+
+def _rows(head: torch.nn.Linear, n: int, detach: bool = False):
+    """The first n rows of a head's weight and bias (views: the student's gradient reaches only them)."""
+    w, b = head.weight[:n], None if head.bias is None else head.bias[:n]
+    return (w.detach(), None if b is None else b.detach()) if detach else (w, b)
+
+
 def reverse_kl(student_hidden: torch.Tensor, student_head: torch.nn.Linear, teacher_hidden: torch.Tensor,
-               teacher_head: torch.nn.Linear, chunk_size: int = 512) -> torch.Tensor:
-    """(N, Hs), (N, Ht) -> (N,) full-vocabulary reverse KL sum_v p_s(v) log(p_s(v) / p_T(v)) per row.
+               teacher_head: torch.nn.Linear, chunk_size: int = 512, vocab: int | None = None) -> torch.Tensor:
+    """(N, Hs), (N, Ht) -> (N,) reverse KL sum_v p_s(v) log(p_s(v) / p_T(v)) per row, over the shared
+    vocabulary v < V, V = `shared_vocab(student rows, teacher rows, vocab)`.
+
+    Exactly: p_s and p_T are each model's softmax over its logits of the ids v < V, i.e. each model's
+    full-head distribution conditioned on a real token, p(v | v < V) = p(v) / (1 - eps), eps = the mass
+    on its padded rows. When the heads have equal sizes and `vocab` is None this is the full-vocabulary
+    KL of the policy itself, as before. Otherwise the padded rows are masked out of both sides: they get
+    no gradient and no weight in the KL, and KL(p_s(.|real) || p_T(.|real)) >= 0 stays a divergence that
+    is 0 iff the two agree on the real ids. It equals the policy's own KL up to a factor (1 - eps_s) and
+    a term log(1 - eps_s): eps_s ~ 0 for a trained model, whose padded rows are never targets.
+    Why not the student's unrenormalised p_s(v) over v < V against the renormalised teacher: that sum is
+    (1 - eps_s) (KL + log(1 - eps_s)), which *decreases* as eps_s grows (slope -(1 + KL) at 0), so the
+    loss would reward moving probability onto padded rows, which are never tokens.
     The teacher is frozen: its hidden states and head carry no gradient."""
+    v = shared_vocab(student_head.weight.shape[0], teacher_head.weight.shape[0], vocab)
     teacher_hidden = teacher_hidden.detach()
-    w_t = teacher_head.weight.detach()
-    b_t = None if teacher_head.bias is None else teacher_head.bias.detach()
+    w_s, b_s = _rows(student_head, v)
+    w_t, b_t = _rows(teacher_head, v, detach=True)
     out = []
     for s in range(0, student_hidden.shape[0], chunk_size):
-        args = (student_hidden[s : s + chunk_size], student_head.weight, student_head.bias,
-                teacher_hidden[s : s + chunk_size], w_t, b_t)
+        args = (student_hidden[s : s + chunk_size], w_s, b_s, teacher_hidden[s : s + chunk_size], w_t, b_t)
         out.append(checkpoint(_reverse_kl_chunk, *args, use_reentrant=False) if student_hidden.requires_grad
                    else _reverse_kl_chunk(*args))
     return torch.cat(out)
@@ -79,12 +111,13 @@ def aggregate(x: torch.Tensor, denom: float | None = None) -> torch.Tensor:
 
 
 def opd_loss(student_hidden, student_head, teacher_hidden, teacher_head, chunk_size: int = 512,
-             denom: float | None = None):
+             denom: float | None = None, vocab: int | None = None):
     """L_OPD = (1 / sum m_T) sum_j m_T[j] KL(p_theta,j || p_T,j), over the rows given (the teacher-mask
     positions; `denom` = sum m_T over the minibatch, see `aggregate`). Student and teacher hidden
     states must come from the same tokens, positions and visibility (the packed exact state for
-    `memopd`)."""
-    kl = reverse_kl(student_hidden, student_head, teacher_hidden, teacher_head, chunk_size)
+    `memopd`). The KL runs over the shared vocabulary (`reverse_kl`: `vocab` = len(tokenizer), or
+    None = the rows both heads have)."""
+    kl = reverse_kl(student_hidden, student_head, teacher_hidden, teacher_head, chunk_size, vocab)
     loss = aggregate(kl, denom) if kl.numel() else student_hidden.sum() * 0.0
     return loss, {"opd/loss": loss.item(), "opd/kl_max": kl.max().item() if kl.numel() else 0.0,
                   "opd/positions": kl.numel()}

@@ -43,6 +43,19 @@ def make_sampling(rollout_cfg: dict, **overrides) -> Sampling:
     return Sampling(**{**{k: rollout_cfg[k] for k in SAMPLING_KEYS if k in rollout_cfg}, **overrides})
 
 
+def per_benchmark(value, bench: str):
+    """A config value given once or per benchmark file name ({name: value, default: value})."""
+    return value.get(bench, value.get("default")) if isinstance(value, dict) else value
+
+
+def eval_overrides(eval_cfg: dict, bench: str) -> dict:
+    """The sampling overrides of evaluation on `bench`: config eval temperature / max_new_tokens, each once
+    or per benchmark. null (or no key) keeps the training rollout's value (config rollout): evaluation runs
+    the protocol the policies were trained with unless the config says otherwise (a response budget below
+    training's cuts answers off, and a cut answer counts as an invalid action)."""
+    return {k: v for k in ("temperature", "max_new_tokens") if (v := per_benchmark(eval_cfg.get(k), bench)) is not None}
+
+
 def make_backend(rollout_cfg: dict, model_dir: str | Path, seed: int = 0, **sampling_overrides):
     """The generation backend named by the `rollout` config section (`hf` or `vllm`)."""
     from memopd.models import load_model, load_tokenizer

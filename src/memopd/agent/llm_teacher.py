@@ -15,15 +15,19 @@ Prompt modes (config `teacher.llm.prompt`):
 
 Server: `vllm serve` started by the step as a child process bound to 127.0.0.1 on a free port (or
 `url` of a server someone else runs), stopped when the step ends. Per-call seeds go with each request.
+It runs under the step's own interpreter (`python -m vllm.entrypoints.cli.main serve`, what the `vllm`
+script runs), not a `vllm` found on PATH: Snakemake started as .venv/bin/snakemake without activating the
+venv leaves the venv's bin/ off PATH, and a PATH lookup could find another installation's vLLM.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -75,11 +79,10 @@ class VLLMServer:
                  startup_timeout_s: float = 1800, extra_args: list[str] | None = None):
         self.model, self.log_path, self.timeout = model, Path(log_path), startup_timeout_s
         self.port = port or free_port()
-        exe = shutil.which("vllm")
-        if exe is None:
-            raise RuntimeError("`vllm` not found on PATH: the LLM teacher needs the GPU environment (envs/gpu.yaml)")
-        self.cmd = [exe, "serve", model, "--host", HOST, "--port", str(self.port), "--seed", str(seed),
-                    "--dtype", dtype, "--tensor-parallel-size", str(tensor_parallel_size),
+        # the job's own interpreter, not PATH (see the module docstring); the module the `vllm` script runs
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", HOST,
+                    "--port", str(self.port), "--seed", str(seed), "--dtype", dtype,
+                    "--tensor-parallel-size", str(tensor_parallel_size),
                     "--gpu-memory-utilization", str(gpu_memory_utilization)]
         if max_model_len:
             self.cmd += ["--max-model-len", str(max_model_len)]
@@ -91,6 +94,9 @@ class VLLMServer:
         return f"http://{HOST}:{self.port}"
 
     def __enter__(self) -> "VLLMServer":
+        if importlib.util.find_spec("vllm") is None:  # finds the package without importing it
+            raise RuntimeError(f"vLLM is not installed for {sys.executable}: the LLM teacher needs the GPU stack "
+                               "(pip install -e '.[gpu]', or envs/gpu.yaml)")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

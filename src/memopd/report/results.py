@@ -60,6 +60,21 @@ def load_scores(eval_dir: str | Path, methods: list[str], seeds: list[int], benc
     return out
 
 
+def budget_note(scores: dict, horizons: dict[str, str]) -> str:
+    """The response budget the evaluations of `horizons` ({benchmark: label}) used (max new tokens per
+    call, from each eval JSON), for a caption: one number when all agree, else per horizon (a mixed
+    horizon lists its values: its runs were evaluated under different protocols)."""
+    used = {label: set() for label in horizons.values()}
+    for (_, bench), per_seed in scores.items():
+        if bench in horizons:
+            used[horizons[bench]].update(r.get("max_new_tokens") for r in per_seed.values())
+    text = {label: "/".join(sorted(str(v) if v is not None else "not recorded" for v in vals))
+            for label, vals in used.items()}
+    if len(set(text.values())) == 1:
+        return f"response budget {next(iter(text.values()))} new tokens per call"
+    return "response budget (new tokens per call) " + ", ".join(f"{h} {t}" for h, t in text.items())
+
+
 def table_rows(scores: dict, methods: list[str], horizons: dict[str, str], metrics: list[str]) -> list[dict]:
     """horizons: {benchmark file name: horizon label}, e.g. {"q2_test": "Q2"}."""
     rows = []

@@ -21,8 +21,16 @@ by rank 0, and resume with any number of ranks.
 Files in the run directory:
   metrics.jsonl        one JSON object per step (rewards, losses, RCE error, step-time breakdown)
   checkpoint/          policy + critic (safetensors), optimizers, RNG states and the next step
-                       (torch.save of tensors only, read back with weights_only=True)
+                       (torch.save of tensors only, read back with weights_only=True); meta.json: the
+                       step and the run's identity (`run_identity`); metrics.jsonl: the steps before it
   model/               the final policy (safetensors + tokenizer), evaluated like any model
+
+Resume: a run finds checkpoint/ and continues from its step, only if the checkpoint is of this very run
+(same config, method, seed, models and data: `run_identity`); any other checkpoint is refused, naming what
+changed (continuing it would mix two runs in one model). The metrics of the steps before the checkpoint
+come back from checkpoint/metrics.jsonl: Snakemake deletes the output metrics.jsonl before it reruns or
+retries a job, and a killed run may have written steps after its last checkpoint; either way the resumed
+run's metrics.jsonl holds every step exactly once.
 """
 from __future__ import annotations
 
@@ -39,15 +47,26 @@ import torch
 from memopd.sft.checkpoint import load_tensors, save_tensors
 from memopd.train import parallel
 from memopd.train.ppo import PPOConfig, ValueModel, gather, ppo_update
+from memopd.vocab import check_model_dirs
+
+# Config keys that do not change what a step computes, so not part of a run's identity: the data order of
+# the first steps does not depend on train.steps (`task_order`), so a finished run can be extended.
+NOT_IDENTITY = ("steps", "checkpoint_every")
+
+
+class ResumeMismatch(RuntimeError):
+    """A checkpoint of another run (config, method, seed, models or data differ) where this run would resume."""
 
 
 def _rng_state() -> dict:
     return {"torch": torch.get_rng_state()}
 
 
-def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt, write: bool = True) -> None:
+def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt, write: bool = True,
+                    identity: dict | None = None, metrics: list[str] = ()) -> None:
     """Every rank calls it when the models are sharded (the whole tensors are gathered); only `write`
-    writes. Replicas: ranks that do not write return at once."""
+    writes. Replicas: ranks that do not write return at once. `identity` (`run_identity`) and the metrics
+    lines of steps 0..step-1 are stored with it, for `resume_point`."""
     if not write and not parallel.is_sharded(policy):
         return
     tensors = {name: {k: v.cpu().contiguous() for k, v in parallel.full_state_dict(m).items()}
@@ -61,6 +80,8 @@ def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt
     for name, t in tensors.items():
         save_tensors(t, tmp / f"{name}.safetensors")  # tied weights stored once
     torch.save({"step": torch.tensor(step), **opts, **_rng_state()}, tmp / "state.pt")
+    (tmp / "meta.json").write_text(json.dumps({"step": step, "identity": identity}, indent=1, sort_keys=True) + "\n")
+    (tmp / "metrics.jsonl").write_text("".join(line + "\n" for line in metrics))
     if path.exists():
         import shutil
 
@@ -76,6 +97,78 @@ def load_checkpoint(path: Path, policy, critic, actor_opt, critic_opt) -> int:
     parallel.load_optimizer_state(critic, critic_opt, state["critic_opt"])
     torch.set_rng_state(state["torch"])
     return int(state["step"])
+
+
+def file_identity(path: str | Path | None) -> dict | None:
+    """Path as given, and size + modification time of every file (a model rebuilt upstream is another
+    model; content hashes of multi-GB models would cost minutes at every start)."""
+    if path is None:
+        return None
+    p = Path(path)
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    return {"path": str(path), "files": {str(f.relative_to(p)) if p.is_dir() else f.name:
+                                         [f.stat().st_size, f.stat().st_mtime_ns] for f in files}}
+
+
+def run_identity(cfg: dict, method: str, seed: int, **inputs) -> dict:
+    """What a checkpoint must match to be resumed: the config sections the run reads (less NOT_IDENTITY),
+    method, seed and every input (`inputs`: name -> file or directory, or None), as JSON values."""
+    train = {k: v for k, v in cfg["train"].items() if k not in NOT_IDENTITY}
+    identity = {"config": {**cfg, "train": train}, "method": method, "seed": seed,
+                **{name: file_identity(path) for name, path in inputs.items()}}
+    return json.loads(json.dumps(identity, sort_keys=True, default=str))
+
+
+def _flat(node, prefix: str = ""):
+    for k, v in node.items():
+        if isinstance(v, dict) and v:
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def identity_changes(saved: dict, now: dict, show: int = 8) -> list[str]:
+    """'key: saved -> now' for every leaf that differs (at most `show`, then a count)."""
+    a, b = dict(_flat(saved)), dict(_flat(now))
+    keys = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or a[k] != b[k])
+    out = [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in keys[:show]]
+    return out + ([f"... {len(keys)} differences in all"] if len(keys) > show else [])
+
+
+def resume_point(path: Path, identity: dict) -> dict | None:
+    """The checkpoint at `path` to resume ({step, metrics: lines of steps 0..step-1}), None when there is
+    none; ResumeMismatch when it is not of the run `identity` describes."""
+    if not (path / "state.pt").exists():
+        return None
+    how = f"delete {path} to train this run from scratch, or restore the settings it was trained with"
+    if not (path / "meta.json").exists():
+        raise ResumeMismatch(f"{path} holds a checkpoint without the identity of its run (written by an older "
+                             f"memopd): it cannot be checked against this run; {how}")
+    meta = json.loads((path / "meta.json").read_text())
+    changes = identity_changes(meta.get("identity") or {}, identity)
+    if changes:
+        raise ResumeMismatch(f"{path} holds a checkpoint of another run; changed since: {'; '.join(changes)}. {how}")
+    lines = (path / "metrics.jsonl").read_text().splitlines() if (path / "metrics.jsonl").exists() else []
+    return {"step": meta["step"], "metrics": lines[: meta["step"]]}
+
+
+def preflight(cfg: dict, method: str, seed: int, student_dir, teacher_dir, tasks_path, index_dir,
+              ckpt: Path) -> tuple[dict, dict | None]:
+    """The refusals of a run, before any model loads (minutes at paper scale): the OPD methods need a
+    teacher with the student's tokenizer (OPD compares the two id by id), and a checkpoint is resumed only
+    by its own run. Returns (the run's identity, the checkpoint to resume or None)."""
+    if method != "ppo" and teacher_dir is None:
+        raise ValueError(f"method {method!r} needs a teacher")
+    if method != "ppo":
+        check_model_dirs(student_dir, teacher_dir)
+    identity = run_identity(cfg, method, seed, student=student_dir, teacher=None if method == "ppo" else teacher_dir,
+                            tasks=tasks_path, index=index_dir)
+    resume = resume_point(ckpt, identity)
+    steps = cfg["train"]["steps"]
+    if resume is not None and resume["step"] > steps:  # train.steps is not part of the identity
+        raise ResumeMismatch(f"{ckpt} is at step {resume['step']}, past train.steps {steps}: its model is not "
+                             f"this run's; delete {ckpt} to train {steps} steps from scratch")
+    return identity, resume
 
 
 def ppo_config(cfg: dict, method: str, seed: int) -> PPOConfig:
@@ -119,12 +212,14 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     from memopd.sft.trainer import dist_info, setup_distributed
 
     tcfg, rcfg = cfg["train"], cfg["rollout"]
+    out = Path(out_dir)
+    ckpt, metrics_path = out / "checkpoint", out / "metrics.jsonl"
+    identity, resume = preflight(cfg, method, seed, student_dir, teacher_dir, tasks_path, index_dir, ckpt)
     device = setup_distributed()
     rank, world, _ = dist_info()
     if tcfg["batch_tasks"] < world:
         raise ValueError(f"train.batch_tasks {tcfg['batch_tasks']} < {world} ranks: some rank would get no episode")
     torch.manual_seed(seed)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dtype = tcfg.get("dtype", "float32")
     tok = load_tokenizer(student_dir)
@@ -144,8 +239,6 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     critic = ValueModel(copy.deepcopy(policy))
     # the frozen teacher stays in train.dtype: inference only (a target distribution, never in a ratio);
     # `ppo` never scores it, so it needs none (its jobs can start before the teacher's SFT ends)
-    if method != "ppo" and teacher_dir is None:
-        raise ValueError(f"method {method!r} needs a teacher")
     teacher = (load_model(teacher_dir, dtype=dtype, device=str(device)).requires_grad_(False)
                if method != "ppo" else None)
     shard = tcfg.get("shard", "none")
@@ -156,19 +249,16 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     actor_opt = torch.optim.AdamW(policy.parameters(), lr=tcfg["lr_actor"], weight_decay=0.0)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=tcfg["lr_critic"], weight_decay=0.0)
     pcfg = ppo_config(tcfg, method, seed)
+    pcfg.vocab = len(tok)  # the OPD KL runs over the tokenizer's real ids (heads may be padded beyond them)
     if sync is None:
         backend = HFBackend(parallel.unwrap(policy), tok, sampling)  # generates inside parallel.gathered
 
-    ckpt, metrics_path = out / "checkpoint", out / "metrics.jsonl"
-    start = 0
-    if (ckpt / "state.pt").exists():
-        start = load_checkpoint(ckpt, policy, critic, actor_opt, critic_opt)
+    start, lines = 0, []  # lines: the metrics of every step so far, stored with each checkpoint
+    if resume is not None:
+        start, lines = load_checkpoint(ckpt, policy, critic, actor_opt, critic_opt), resume["metrics"]
         log(f"resuming {method} seed {seed} at step {start}")
-        if rank == 0:  # keep the metrics of the steps the checkpoint covers, drop any written after it
-            kept = metrics_path.read_text().splitlines()[:start] if metrics_path.exists() else []
-            metrics_path.write_text("".join(line + "\n" for line in kept))
-    elif metrics_path.exists() and rank == 0:
-        metrics_path.unlink()
+    if rank == 0:  # the steps the checkpoint covers, none written after it
+        metrics_path.write_text("".join(line + "\n" for line in lines))
 
     tasks = load_tasks(tasks_path)
     retriever = load_retriever(index_dir)
@@ -203,13 +293,15 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
         m["tokens_per_s"] = m["tokens/packed"] / max(m["time/update_s"] + m["time/score_s"], 1e-9)
         history.append(m)
         done = step + 1
+        lines.append(json.dumps(m, sort_keys=True))
         if rank == 0:
             with open(metrics_path, "a") as f:
-                f.write(json.dumps(m, sort_keys=True) + "\n")
+                f.write(lines[-1] + "\n")
             if tracker is not None:
                 tracker(m, step)
         if done % tcfg.get("checkpoint_every", 1) == 0 or done == tcfg["steps"]:  # collective when sharded
-            save_checkpoint(ckpt, done, policy, critic, actor_opt, critic_opt, write=rank == 0)
+            save_checkpoint(ckpt, done, policy, critic, actor_opt, critic_opt, write=rank == 0, identity=identity,
+                            metrics=lines)
         if world > 1:
             torch.distributed.barrier()  # no rank runs ahead of a checkpoint that may be resumed from
         if stop_after is not None and done - start >= stop_after:

@@ -88,6 +88,7 @@ class PPOConfig:
     rce_sample: int = 2  # episodes checked by the RCE guard before each update (0: off)
     dtype: str = "float32"
     seed: int = 0
+    vocab: int | None = None  # ids of the OPD KL: len(tokenizer); None: the rows both heads have (losses.shared_vocab)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -100,7 +101,8 @@ def _head(model):
 
 
 def actor_forward(lm, p: Packed, backend: str, chunk_size: int, teach_rows: torch.Tensor | None = None,
-                  teacher_hidden: torch.Tensor | None = None, teacher_head=None, opd_denom: float | None = None):
+                  teacher_hidden: torch.Tensor | None = None, teacher_head=None, opd_denom: float | None = None,
+                  vocab: int | None = None):
     """The policy on one packed episode: (N,) log-probs and (N,) entropies of the sampled actions, and
     (OPD loss, metrics) at `teach_rows` (the teacher-mask rows of the N actions) when a teacher is
     given, else None; the OPD sum is divided by `opd_denom` (the minibatch's teacher tokens). pi_old,
@@ -111,7 +113,7 @@ def actor_forward(lm, p: Packed, backend: str, chunk_size: int, teach_rows: torc
     logp, ent = action_logprobs_entropy(h, _head(lm), p.targets.to(dev), chunk_size)
     opd = None
     if teacher_hidden is not None:
-        opd = opd_loss(h[teach_rows.to(dev)], _head(lm), teacher_hidden, teacher_head, chunk_size, opd_denom)
+        opd = opd_loss(h[teach_rows.to(dev)], _head(lm), teacher_hidden, teacher_head, chunk_size, opd_denom, vocab)
     return logp, ent, opd
 
 
@@ -289,7 +291,7 @@ def ppo_update(episodes: list[Episode], policy, ref, critic, teacher, actor_opt,
                 with autocast(dev, cfg.dtype):
                     logp, ent, opd = call(policy, lambda m: actor_forward(
                         m, p, cfg.backend, cfg.chunk_size, s["teach_rows"], s["teacher_hidden"] if teach else None,
-                        _head(teacher) if teach else None, teach_tokens))
+                        _head(teacher) if teach else None, teach_tokens, cfg.vocab))
                     values = call(critic, lambda m: m.values(p, cfg.backend))
                 opd, m_opd = opd if opd is not None else (None, {})
                 adv = ((s["advantages"] - mean) / std).to(dev)
