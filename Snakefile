@@ -11,6 +11,11 @@ if not workflow.overwrite_configfiles:
     configfile: "config/config.yaml"
 
 
+# `snakemake --report results/report.html` (after a run): every table and figure, with captions and
+# categories by paper section (workflow/report/).
+report: "workflow/report/workflow.rst"
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/tracking.smk"
 include: "workflow/rules/models.smk"
@@ -36,8 +41,10 @@ rule all:
         rules.eval_all.input,
         rules.results_tables.output,
         rules.matched_control.output,
+        rules.training_curves.output,
         AUDIT_TABLES,
 
 
 check_resources_config()
 check_eval_config()
+check_tokenizers_config()

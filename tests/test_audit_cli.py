@@ -37,6 +37,9 @@ def _csv(path):
         return list(csv.DictReader(f))
 
 
+pytestmark = pytest.mark.slow  # the module fixture rolls out real audit episodes (~30 s on 2 cores)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Roll out the audit episodes (main set + one file per rule) and build every table through the CLI."""

@@ -13,7 +13,7 @@ import yaml
 
 from workflow_helpers import snakemake, workflow_copy
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # minutes: SLURM polling
 
 TARGET = "results/audit/rce_smoke.json"
 OUTPUTS = ["results/models/tokenizer/tokenizer.json", "results/models/student_init/model.safetensors",

@@ -1,5 +1,6 @@
 """MLflow tracking in a real SQLite store: a run's params/metrics/artifacts/tags, concurrent writers,
 the store created once, the environment's tracking URI."""
+import json
 import multiprocessing as mp
 
 import pytest
@@ -56,6 +57,58 @@ def test_a_run_records_params_metrics_artifacts_and_tags(store, tmp_path):
     assert (d / "mlartifacts").is_dir()  # artifacts live beside the database
 
 
+def test_the_experiment_opens_as_model_training_and_evaluations_nest_under_their_training_run(store, tmp_path):
+    """The experiment kind tag (MLflow 3 UI: model-training view, not GenAI), and the parent link across
+    processes: the training job writes its run id into the model directory, the evaluation job reads it."""
+    import pandas as pd
+
+    from memopd.tracking import EXPERIMENT_KIND, NullRun, eval_metrics, run_ref
+
+    uri, _ = store
+    c = _client(uri)
+    exp = c.get_experiment_by_name("memopd")
+    assert exp.tags["mlflow.experimentKind"] == EXPERIMENT_KIND == "custom_model_development"
+    assert "group by" in exp.tags["mlflow.note.content"].lower()
+    init_store(uri, "memopd")  # idempotent: same experiment, tag kept
+    assert c.get_experiment_by_name("memopd").experiment_id == exp.experiment_id
+
+    tasks = tmp_path / "q2_train.parquet"
+    pd.DataFrame({"task_id": ["t0", "t1", "t2"], "questions": [["a?", "b?"]] * 3}).to_parquet(tasks)
+    model = tmp_path / "memopd_seed3"
+    with start_run(uri, "memopd", "train-memopd-seed3", {}, stage="train", model="memopd_seed3", seed=3,
+                   tags={"method": "memopd", "benchmark": "q2_train"}) as run:
+        run.log_input(tasks, "train")
+        run.log_metrics({"reward/f1": 0.5}, 0)
+        run.write_ref(model)
+    train_id = run.run_id
+    ref = run_ref(model)
+    assert ref["run_id"] == train_id and (ref["method"], ref["seed"]) == ("memopd", 3)
+    with start_run(uri, "memopd", "eval-memopd_seed3-q2_train", {}, stage="eval", model="memopd_seed3", seed=0,
+                   tags={"benchmark": "q2_train"}, parent=ref) as ev:
+        ev.log_input(tasks, "eval")
+        ev.log_metrics(eval_metrics({"f1": 0.25, "em": 0.0, "invalid_action_rate": 0.1, "episodes": 3,
+                                     "throughput": {"episodes_per_s": 2.0}, "model": "x"}), 0)
+    r = c.get_run(ev.run_id)
+    assert r.data.tags["mlflow.parentRunId"] == train_id and r.data.tags["parent_run_name"] == "train-memopd-seed3"
+    assert (r.data.tags["method"], r.data.tags["seed"], r.data.tags["benchmark"]) == ("memopd", "3", "q2_train")
+    assert r.data.tags["mlflow.source.name"] == "memopd eval"
+    assert r.data.metrics == {"eval/f1": 0.25, "eval/em": 0.0, "eval/invalid_rate": 0.1, "eval/episodes": 3.0,
+                              "eval/throughput/episodes_per_s": 2.0}
+    d_train, d_eval = (c.get_run(i).inputs.dataset_inputs[0] for i in (train_id, ev.run_id))
+    assert d_train.dataset.name == d_eval.dataset.name == "q2_train"
+    assert d_train.dataset.digest == d_eval.dataset.digest and len(d_train.dataset.digest) == 16
+    assert json.loads(d_train.dataset.source)["uri"] == str(tasks.resolve())
+    assert json.loads(d_train.dataset.profile)["num_rows"] == 3 and "questions" in d_train.dataset.schema
+
+    # a reference to a run of another store leaves the run top-level; an untracked job removes a stale one
+    with start_run(uri, "memopd", "eval-orphan", {}, stage="eval", model="m", seed=0,
+                   parent={"run_id": "0" * 32, "method": "x"}) as orphan:
+        pass
+    assert "mlflow.parentRunId" not in c.get_run(orphan.run_id).data.tags
+    NullRun().write_ref(model)
+    assert run_ref(model) is None
+
+
 def test_a_failing_job_leaves_a_failed_run(store):
     uri, _ = store
     with pytest.raises(RuntimeError):
@@ -85,23 +138,28 @@ def test_the_environment_uri_is_used_unchanged(monkeypatch):
 N_WRITERS, STEPS, PARAMS = 4, 150, 30
 
 
-def _writer(uri, k, barrier):
+def _writer(uri, k, barrier, dataset):
     from memopd.tracking import start_run
 
     cfg = {f"p{i}": i * k for i in range(PARAMS)}
     barrier.wait()  # all four start together
     with start_run(uri, "concurrent", f"writer{k}", cfg, stage="test", model=f"w{k}", seed=k, flush_every=20) as run:
+        run.log_input(dataset, "train")  # the same new dataset from every writer at once
         for s in range(STEPS):
             run.log_metrics({"loss": k + s / 1000, "lr": float(s)}, s)
         run.log_dict({"writer": k}, "stats.json")
 
 
-def test_four_concurrent_writers_lose_nothing(store):
+def test_four_concurrent_writers_lose_nothing(store, tmp_path):
+    import pandas as pd
+
     uri, _ = store
     init_store(uri, "concurrent")  # once, before the parallel jobs (as `memopd tracking init` does)
+    dataset = tmp_path / "q2_train.parquet"
+    pd.DataFrame({"task_id": ["t0", "t1"]}).to_parquet(dataset)
     ctx = mp.get_context("spawn")  # fresh interpreters, like parallel Snakemake jobs
     barrier = ctx.Barrier(N_WRITERS)
-    procs = [ctx.Process(target=_writer, args=(uri, k, barrier)) for k in range(N_WRITERS)]
+    procs = [ctx.Process(target=_writer, args=(uri, k, barrier, str(dataset))) for k in range(N_WRITERS)]
     for p in procs:
         p.start()
     for p in procs:
@@ -118,6 +176,7 @@ def test_four_concurrent_writers_lose_nothing(store):
         assert sorted((m.step, m.value) for m in hist) == [(s, k + s / 1000) for s in range(STEPS)]
         assert len(c.get_metric_history(r.info.run_id, "lr")) == STEPS
         assert sorted(a.path for a in c.list_artifacts(r.info.run_id)) == ["config.json", "stats.json"]
+        assert [d.dataset.name for d in r.inputs.dataset_inputs] == ["q2_train"]
 
 
 def test_sft_commands_end_to_end_are_tracked_runs(store, tmp_path, monkeypatch):
@@ -228,4 +287,15 @@ def _end_to_end(store, tmp_path):
     assert {a.path for a in c.list_artifacts(tr.info.run_id)} == {"config.json", "summary.json"}
     assert {a.path for a in c.list_artifacts(runs["sft_examples"].info.run_id)} == {"config.json", "stats.json"}
     assert runs["sft_examples"].data.metrics["turn_examples"] == 54
-    assert runs["sft_eval"].data.metrics["heldout_target_loss"] == pytest.approx(ev["heldout_target_loss"])
+    assert runs["sft_eval"].data.metrics["eval/heldout_target_loss"] == pytest.approx(ev["heldout_target_loss"])
+    # the SFT run wrote its id into the model directory; the evaluation of that model is its child run,
+    # with its method; both show the examples file as an input dataset (same name and digest)
+    assert json.loads((out / "mlflow_run.json").read_text())["run_id"] == tr.info.run_id
+    ev_run = runs["sft_eval"]
+    assert ev_run.data.tags["mlflow.parentRunId"] == tr.info.run_id and ev_run.data.tags["method"] == "sft"
+    assert "mlflow.parentRunId" not in tr.data.tags and tr.data.tags["role"] == "student"
+    ins = {s: [(d.dataset.name, d.dataset.digest, {t.key: t.value for t in d.tags}["mlflow.data.context"])
+               for d in c.get_run(runs[s].info.run_id).inputs.dataset_inputs] for s in ("sft_train", "sft_eval")}
+    assert ins["sft_train"][0][:2] == ins["sft_eval"][0][:2] and ins["sft_train"][0][0] == "sft/ex"
+    assert (ins["sft_train"][0][2], ins["sft_eval"][0][2]) == ("train", "eval")
+    assert json.loads(c.get_run(runs["sft_train"].info.run_id).inputs.dataset_inputs[0].dataset.profile)["num_rows"] == 54

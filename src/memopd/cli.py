@@ -173,32 +173,31 @@ def cmd_eval(args, cfg):
     embedded default, loading and imports were ~10 s of each ~12 s per-benchmark job)."""
     import torch
 
-    from memopd.agent.evaluate import episode_rows, evaluate, load_tasks, make_sampling
+    from memopd.agent.evaluate import episode_rows, eval_overrides, evaluate, load_tasks, make_sampling, per_benchmark
     from memopd.records import save_episodes
-    from memopd.tracking import tracked
+    from memopd.tracking import eval_metrics, run_ref, tracked
 
     ev = cfg.get("eval", {})
     stems = [Path(b).stem for b in args.benchmark]
     if len(set(stems)) != len(stems):
         raise SystemExit(f"eval: two benchmarks write the same outputs: {stems}")
 
-    def per_benchmark(value, bench):  # an int, or {benchmark file name: int, default: int}
-        return value.get(bench, value.get("default")) if isinstance(value, dict) else value
-
-    def overrides(bench):
-        return {k: per_benchmark(ev[k], bench) for k in ("temperature", "max_new_tokens") if k in ev}
-
-    backend, tok, _, retriever, agent = _agent_setup(args, cfg, **overrides(stems[0]))
+    backend, tok, _, retriever, agent = _agent_setup(args, cfg, **eval_overrides(ev, stems[0]))
     out_dir = Path(args.out_dir)
     for path, bench in zip(args.benchmark, stems):
         torch.manual_seed(args.seed)  # as if each benchmark ran alone
-        backend.sampling = make_sampling(cfg["rollout"], **overrides(bench))
+        backend.sampling = make_sampling(cfg["rollout"], **eval_overrides(ev, bench))
         tasks = load_tasks(path, limit=args.limit or per_benchmark(ev.get("max_tasks"), bench))
+        # a child of the run that trained the model (its id in the model directory), tagged with its method and seed
         with tracked(args.tracking, f"eval-{Path(args.model).name}-{bench}", cfg, stage="eval",
-                     model=Path(args.model).name, seed=args.seed) as run:
+                     model=Path(args.model).name, seed=args.seed, tags={"benchmark": bench, "eval_seed": args.seed},
+                     parent=run_ref(args.model)) as run:
+            run.log_input(path, "eval")
             out, episodes = evaluate(tasks, backend, tok, retriever, agent, seed=args.seed)
-            run.log_metrics({k: v for k, v in out.items() if isinstance(v, (int, float))}, 0)
-        out.update(model=args.model, benchmark=path, backend=backend.name, config={**cfg, "seed": args.seed})
+            run.log_metrics(eval_metrics(out), 0)  # eval/f1, eval/em, eval/invalid_rate, ... in every eval run
+        out.update(model=args.model, benchmark=path, backend=backend.name, config={**cfg, "seed": args.seed},
+                   # the protocol used (eval overrides or the training rollout's): tables state the budget
+                   max_new_tokens=backend.sampling.max_new_tokens, temperature=backend.sampling.temperature)
         out_path = out_dir / f"{bench}.json"
         _write_json(out_path, out)
         _write_csv(out_path.with_suffix(".csv"), episode_rows(episodes))
@@ -251,8 +250,10 @@ def cmd_train(args, cfg):
 
     rank, world, _ = dist_info()  # under torchrun: rank 0 tracks, exports and reports
     run_name = f"train-{args.method}-seed{args.seed}"
-    with (tracked(args.tracking, run_name, cfg, stage="train", model=f"{args.method}_seed{args.seed}", seed=args.seed)
+    with (tracked(args.tracking, run_name, cfg, stage="train", model=f"{args.method}_seed{args.seed}", seed=args.seed,
+                  tags={"method": args.method, "benchmark": Path(args.tasks).stem})
           if rank == 0 else nullcontext(NullRun())) as run:
+        run.log_input(args.tasks, "train")
         hist = train_run(cfg, args.method, args.seed, args.student, args.teacher, args.tasks, args.index,
                          args.out_dir, stop_after=args.stop_after,
                          tracker=lambda m, step: run.log_metrics(
@@ -267,6 +268,8 @@ def cmd_train(args, cfg):
         return
     if args.export and (Path(args.out_dir) / "model").exists():  # the final policy, evaluated like any model
         shutil.copytree(Path(args.out_dir) / "model", args.export, dirs_exist_ok=True)
+    # the run's id beside the metrics and in the exported model: its evaluations become child runs
+    run.write_ref(args.out_dir, *([args.export] if args.export and Path(args.export).exists() else []))
     if hist:
         last = hist[-1]
         print(f"{args.method} seed {args.seed}: step {last['step'] + 1} reward/f1 {last['reward/f1']:.3f} "
@@ -276,7 +279,7 @@ def cmd_train(args, cfg):
 def cmd_report_results(args, cfg):
     """Tables 1-2 (multiobjective, wikirag) and the F1-vs-horizon figure; the matched control is its own
     command (report matched-control)."""
-    from memopd.report.results import METRICS, horizon_figure, load_scores, table_rows
+    from memopd.report.results import METRICS, budget_note, horizon_figure, load_scores, table_rows
     from memopd.report.tables import write_table
 
     methods, seeds = cfg["methods"], cfg["seeds"]
@@ -287,11 +290,12 @@ def cmd_report_results(args, cfg):
     q = {b: h for b, h in horizons.items() if h != "wikirag"}
     scores = load_scores(args.eval_dir, methods, seeds, list(horizons))
     multi = table_rows(scores, methods, q, METRICS["multiobjective"])
-    write_table(multi, Path(args.out_dir) / "multiobjective.csv", caption.format("Multi-objective (Q2 train)"))
+    write_table(multi, Path(args.out_dir) / "multiobjective.csv",
+                f"{caption.format('Multi-objective (Q2 train)')}; {budget_note(scores, q)}")
     wiki = {b: h for b, h in horizons.items() if h == "wikirag"}
     if wiki:
         write_table(table_rows(scores, methods, wiki, METRICS["wikirag"]), Path(args.out_dir) / "wikirag.csv",
-                    caption.format("Wiki-RAG"))
+                    f"{caption.format('Wiki-RAG')}; {budget_note(scores, wiki)}")
     horizon_figure(multi, args.figure)
 
 
@@ -488,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--eval", nargs="+", required=True, help="results/eval/{name}/q2_test.json, in --names order")
     sp.add_argument("--info", nargs="+", required=True, help="results/models/{name}/memopd_model.json")
     sp.add_argument("--out", default="results/tables/sft_summary.csv")
+    from memopd.report.curves import add_parser as add_curves  # `report curves`: the training-curves figure
+
+    add_curves(add, report)
 
     sft = sub.add_parser("sft", help="SFT stage: trajectories, examples, training").add_subparsers(
         dest="sft_command", required=True)

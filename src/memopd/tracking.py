@@ -1,7 +1,18 @@
 """MLflow tracking: every training and evaluation job is one MLflow run.
 
 A run records params = the flattened step config, metrics = loss / lr curves and evaluation scores
-(by step), artifacts = the config and the step's stats, tags = stage, model, seed, git commit.
+(by step), artifacts = the config and the step's stats, tags = stage, model, method, seed, benchmark,
+git commit, and its input datasets (`Run.log_input`: name, digest, source, schema, row count).
+
+How the UI shows it. The experiment is tagged `mlflow.experimentKind = custom_model_development`
+(`init_store`): model training (runs table, metric columns, charts), not a GenAI app (traces,
+evaluations). MLflow 3.17.2's UI does not read that tag to pick its view: it opens experiments on its
+GenAI view unless its "Model training" switch is set (kept in the browser) or the URL asks for it
+(`#/experiments/ID/runs?workflowType=machine_learning`); the experiment's note says so. A job that trains a model
+writes its run's id into the model directory (`Run.write_ref`, file `mlflow_run.json`); a later job
+that evaluates that model, in another process, reads it (`run_ref`) and becomes a child run
+(`mlflow.parentRunId`), with the parent's method and seed as its tags. Evaluation scores are logged
+as `eval/<name>` (eval/f1, eval/em, eval/invalid_rate, ...), the same names in every evaluation run.
 
 Store. The default is a SQLite file under results/ (`sqlite:///results/mlflow.db`). MLflow migrates a
 fresh SQLite store's schema when the first client opens it, and several processes doing that at once
@@ -23,6 +34,17 @@ from pathlib import Path
 
 DEFAULT_URI = "sqlite:///results/mlflow.db"
 _RETRIES = 12  # ~1 minute of back-off in all before a locked write is an error
+# MLflow 3 UI (server/js): the experiment tag `mlflow.experimentKind` (genai_development |
+# custom_model_development | ...) says the experiment is model training, not a GenAI app.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+# The experiment's description, shown above its pages. MLflow 3.17's UI (3.17.2 checked) picks the view from
+# its own GenAI / Model training switch (browser storage, default GenAI, or ?workflowType= in the URL),
+# not from the tag above: the note says how to get to the runs.
+EXPERIMENT_NOTE = ("MemOPD pipeline runs. Open the **Model training** view (switch at the top left, or add "
+                   "`?workflowType=machine_learning` to the URL), then Runs. Training runs (stage train, one per "
+                   "method x seed) and SFT runs hold their evaluations as child runs; group by the tag `method`; "
+                   "evaluation scores are eval/f1, eval/em, eval/invalid_rate in every evaluation run.")
+RUN_FILE = "mlflow_run.json"  # written into a model / run directory by the job that tracked its training
 
 
 def resolve_uri(configured: str = DEFAULT_URI) -> str:
@@ -62,15 +84,68 @@ def git_commit() -> str:
     return head + ("-dirty" if dirty else "")
 
 
-def _retry(fn, *args, **kwargs):
-    """Call fn, retrying SQLite lock errors with exponential back-off (0.05 s ... 5 s)."""
+def _retry(fn, *args, transient=("database is locked", "busy"), **kwargs):
+    """Call fn, retrying SQLite lock errors (or other `transient` messages) with exponential back-off
+    (0.05 s ... 5 s)."""
     for attempt in range(_RETRIES):
         try:
             return fn(*args, **kwargs)
         except Exception as e:  # MlflowException wraps sqlalchemy's OperationalError
-            if attempt == _RETRIES - 1 or not any(s in str(e).lower() for s in ("database is locked", "busy")):
+            if attempt == _RETRIES - 1 or not any(s in str(e).lower() for s in transient):
                 raise
             time.sleep(min(5.0, 0.05 * 2 ** attempt))
+
+
+def dataset_entity(path: str | Path, name: str | None = None):
+    """An MLflow dataset for a parquet file: name (default: the file's stem), digest (sha256 of the
+    file's bytes, 16 hex digits: the same file gives the same dataset in every run), source (its absolute
+    path), schema (inferred from its first rows) and profile (rows, columns, bytes)."""
+    import hashlib
+    import warnings
+
+    import mlflow
+    import pyarrow.parquet as pq
+    from mlflow.entities import Dataset
+
+    path = Path(path).resolve()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    digest = h.hexdigest()[:16]
+    pf = pq.ParquetFile(path)
+    head = next(pf.iter_batches(batch_size=32), None)
+    head = head.to_pandas() if head is not None else pf.schema_arrow.empty_table().to_pandas()
+    with warnings.catch_warnings():  # "source can be interpreted in multiple ways": both are the local file
+        warnings.simplefilter("ignore")
+        schema = mlflow.data.from_pandas(head, source=str(path), name=name or path.stem, digest=digest).to_dict()["schema"]
+    profile = {"num_rows": pf.metadata.num_rows, "num_columns": len(pf.schema_arrow.names),
+               "bytes": path.stat().st_size}
+    return Dataset(name=name or path.stem, digest=digest, source_type="local", source=json.dumps({"uri": str(path)}),
+                   schema=schema, profile=json.dumps(profile))
+
+
+EVAL_NAMES = {"invalid_action_rate": "invalid_rate"}  # as the training runs' rollout/invalid_rate
+
+
+def eval_metrics(out: dict, prefix: str = "eval/") -> dict[str, float]:
+    """The numbers of an evaluation result as MLflow metrics under one naming in every run: eval/f1,
+    eval/em, eval/invalid_rate, eval/calls_per_episode, ...; nested dicts as eval/<key>/<key>."""
+    metrics = {}
+    for k, v in out.items():
+        if isinstance(v, dict):
+            metrics.update(eval_metrics(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            metrics[prefix + EVAL_NAMES.get(k, k)] = float(v)
+    return metrics
+
+
+def run_ref(directory: str | Path | None) -> dict | None:
+    """The run reference (`RUN_FILE`) that the job which trained the model in `directory` wrote, or None."""
+    if not directory:
+        return None
+    path = Path(directory) / RUN_FILE
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def init_store(uri: str, experiment: str) -> dict:
@@ -86,16 +161,22 @@ def init_store(uri: str, experiment: str) -> dict:
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp else client.create_experiment(experiment, artifact_location=artifacts)
+    client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)  # also on a store made before the tag
+    if "mlflow.note.content" not in client.get_experiment(exp_id).tags:  # the experiment's description
+        client.set_experiment_tag(exp_id, "mlflow.note.content", EXPERIMENT_NOTE)
     exp = client.get_experiment(exp_id)
     return {"tracking_uri": uri, "experiment": experiment, "experiment_id": exp_id,
-            "artifact_location": exp.artifact_location}
+            "artifact_location": exp.artifact_location,
+            # where `mlflow ui` shows the runs (append to http://HOST:PORT/): the model-training view
+            "ui_path": f"#/experiments/{exp_id}/runs?workflowType=machine_learning"}
 
 
 class Run:
     """One MLflow run written through the client: metrics are buffered and flushed in batches."""
 
-    def __init__(self, client, run_id: str, flush_every: int = 200):
+    def __init__(self, client, run_id: str, flush_every: int = 200, ref: dict | None = None):
         self.client, self.run_id, self.flush_every = client, run_id, flush_every
+        self.ref = ref or {"run_id": run_id}  # what write_ref records
         self._metrics = []
 
     def log_metrics(self, metrics: dict, step: int) -> None:
@@ -125,6 +206,24 @@ class Run:
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         _retry(self.client.log_artifact, self.run_id, str(path), artifact_path)
 
+    def log_input(self, path: str | Path, context: str, name: str | None = None) -> None:
+        """The parquet file `path` as an input dataset of this run (`context`: train, eval, ...)."""
+        from mlflow.entities import DatasetInput, InputTag
+
+        inp = DatasetInput(dataset_entity(path, name), tags=[InputTag("mlflow.data.context", context)])
+        # two jobs logging the same new dataset at once: the second insert fails once, then finds it
+        _retry(self.client.log_inputs, self.run_id, datasets=[inp],
+               transient=("database is locked", "busy", "unique constraint", "integrity"))
+
+    def write_ref(self, *directories: str | Path) -> None:
+        """Record this run in `directories` (file RUN_FILE): a job that later evaluates the model saved
+        there nests its runs under this one (`run_ref`, start_run's parent)."""
+        for d in directories:
+            Path(d).mkdir(parents=True, exist_ok=True)
+            tmp = Path(d) / (RUN_FILE + ".tmp")
+            tmp.write_text(json.dumps(self.ref, indent=2) + "\n")
+            tmp.replace(Path(d) / RUN_FILE)
+
     def flush(self) -> None:
         while self._metrics:
             batch, self._metrics = self._metrics[:1000], self._metrics[1000:]
@@ -133,10 +232,13 @@ class Run:
 
 @contextmanager
 def start_run(uri: str, experiment: str, run_name: str, config: dict, stage: str, model: str, seed: int,
-              tags: dict | None = None, flush_every: int = 200):
+              tags: dict | None = None, flush_every: int = 200, parent: dict | None = None):
     """A run in an existing store/experiment (created by `init_store`): params = flatten(config),
-    artifact config.json, tags stage/model/seed/git_commit (+ `tags`). Yields a `Run`; the run ends
-    FINISHED, or FAILED (KILLED on Ctrl-C) when the body raises, after the buffered metrics are written."""
+    artifact config.json, tags stage/model/method/seed/git_commit and the run's source (+ `tags`, which
+    win). `parent`: a `run_ref` (the run that trained the model this run evaluates): the run becomes its
+    child and takes its method and seed tags, unless that run is not in this store (then the run stays
+    top-level, and says so). Yields a `Run`; the run ends FINISHED, or FAILED (KILLED on Ctrl-C) when the
+    body raises, after the buffered metrics are written."""
     from mlflow.tracking import MlflowClient
 
     path = sqlite_path(uri)
@@ -148,11 +250,28 @@ def start_run(uri: str, experiment: str, run_name: str, config: dict, stage: str
     if exp is None:
         raise LookupError(f"experiment {experiment!r} not in {uri}: run `memopd tracking init` first")
     commit = git_commit()
-    all_tags = {"stage": stage, "model": model, "seed": seed, "git_commit": commit,
-                "mlflow.source.git.commit": commit.removesuffix("-dirty"), **(tags or {})}
+    all_tags = {"stage": stage, "model": model, "method": model, "seed": seed, "git_commit": commit,
+                "mlflow.source.git.commit": commit.removesuffix("-dirty"), "mlflow.source.type": "LOCAL",
+                "mlflow.source.name": f"memopd {stage}"}
+    if parent:
+        try:
+            parent_run = _retry(client.get_run, parent["run_id"])
+        except Exception as e:  # another store, or a deleted run
+            print(f"tracking: parent run {parent['run_id']} not in {uri} ({type(e).__name__}); this run is top-level")
+        else:
+            if parent_run.info.experiment_id == exp.experiment_id:
+                all_tags["mlflow.parentRunId"] = parent["run_id"]
+                all_tags.update({k: parent[k] for k in ("method", "seed") if k in parent})
+                all_tags["parent_run_name"] = parent_run.info.run_name
+            else:
+                print(f"tracking: parent run {parent['run_id']} is in another experiment; this run is top-level")
+    all_tags.update(tags or {})
     info = _retry(client.create_run, exp.experiment_id, run_name=run_name,
                   tags={k: str(v) for k, v in all_tags.items()}).info
-    run = Run(client, info.run_id, flush_every)
+    run = Run(client, info.run_id, flush_every,
+              ref={"run_id": info.run_id, "run_name": run_name, "experiment_id": exp.experiment_id,
+                   "tracking_uri": uri, "stage": stage, "model": model, "method": all_tags["method"],
+                   "seed": all_tags["seed"]})
     status = "FAILED"
     try:
         run.log_params(flatten(config))
@@ -177,11 +296,19 @@ class NullRun:
     def set_tags(self, tags: dict) -> None: ...
     def log_dict(self, obj: dict, name: str) -> None: ...
     def log_artifact(self, path, artifact_path=None) -> None: ...
+    def log_input(self, path, context, name=None) -> None: ...
     def flush(self) -> None: ...
+
+    def write_ref(self, *directories) -> None:
+        """No run to refer to: remove a reference left by an earlier tracked job (it would nest a later
+        evaluation under a run that did not train this model)."""
+        for d in directories:
+            (Path(d) / RUN_FILE).unlink(missing_ok=True)
 
 
 @contextmanager
-def tracked(tracking_json: str | None, run_name: str, config: dict, stage: str, model: str, seed: int):
+def tracked(tracking_json: str | None, run_name: str, config: dict, stage: str, model: str, seed: int,
+            tags: dict | None = None, parent: dict | None = None):
     """A run when the step got `--tracking JSON` (the `tracking` config section), else a NullRun."""
     if not tracking_json:
         print("tracking: off (no --tracking given)")
@@ -189,6 +316,7 @@ def tracked(tracking_json: str | None, run_name: str, config: dict, stage: str, 
         return
     t = json.loads(tracking_json)
     uri = resolve_uri(t["uri"])
-    with start_run(uri, t["experiment"], run_name, config, stage=stage, model=model, seed=seed) as run:
+    with start_run(uri, t["experiment"], run_name, config, stage=stage, model=model, seed=seed, tags=tags,
+                   parent=parent) as run:
         print(f"tracking: run {run.run_id} in {uri} (experiment {t['experiment']})")
         yield run

@@ -7,7 +7,8 @@ rule rce_smoke:
         model="results/models/student_init/model.safetensors",
     output:
         json="results/audit/rce_smoke.json",
-        csv="results/audit/rce_smoke.csv",
+        csv=report("results/audit/rce_smoke.csv", caption=caption("rce_smoke"), category=REPORT_AUDITS,
+                   subcategory="RCE"),
     params:
         memopd=MEMOPD,
         cfg=cfg_json("rce"),
@@ -108,7 +109,8 @@ rule audit_alignment:
         model=AUDIT_MODEL,
         episodes=AUDIT_EPISODES,
     output:
-        csv="results/tables/alignment_audit.csv",
+        csv=report("results/tables/alignment_audit.csv", caption=caption("alignment_audit"), category=REPORT_AUDITS,
+                   subcategory="RCE"),
         md="results/tables/alignment_audit.md",
     params:
         memopd=MEMOPD,
@@ -134,7 +136,8 @@ rule audit_state_corruption:
         model=AUDIT_MODEL,
         episodes=AUDIT_EPISODES,
     output:
-        csv="results/tables/state_corruption.csv",
+        csv=report("results/tables/state_corruption.csv", caption=caption("state_corruption"), category=REPORT_AUDITS,
+                   subcategory="RCE"),
         md="results/tables/state_corruption.md",
     params:
         memopd=MEMOPD,
@@ -160,9 +163,11 @@ rule audit_teacher_divergence:
         teacher=f"results/models/{AUDIT['teacher']}/model.safetensors",
         episodes=AUDIT_EPISODES,
     output:
-        csv="results/tables/teacher_divergence.csv",
+        csv=report("results/tables/teacher_divergence.csv", caption=caption("teacher_divergence"),
+                   category=REPORT_AUDITS, subcategory="teacher"),
         md="results/tables/teacher_divergence.md",
-        figure="results/figures/teacher_divergence.png",
+        figure=report("results/figures/teacher_divergence.png", caption=caption("teacher_divergence_figure"),
+                      category=REPORT_AUDITS, subcategory="teacher"),
     params:
         memopd=MEMOPD,
         cfg=AUDIT_TABLE_CFG,
@@ -186,7 +191,8 @@ rule audit_action_domain:
         AUDIT_SRC,
         episodes=AUDIT_EPISODES,
     output:
-        csv="results/tables/action_domain.csv",
+        csv=report("results/tables/action_domain.csv", caption=caption("action_domain"), category=REPORT_AUDITS,
+                   subcategory="training masks"),
         md="results/tables/action_domain.md",
     params:
         memopd=MEMOPD,
@@ -210,7 +216,8 @@ rule audit_context_updates:
         model=AUDIT_MODEL,
         episodes=expand("results/audit/episodes_{rule}.parquet", rule=AUDIT_RULES),
     output:
-        csv="results/tables/context_updates.csv",
+        csv=report("results/tables/context_updates.csv", caption=caption("context_updates"), category=REPORT_AUDITS,
+                   subcategory="RCE"),
         md="results/tables/context_updates.md",
     params:
         memopd=MEMOPD,
@@ -237,9 +244,11 @@ rule audit_packing_efficiency:
         model=AUDIT_MODEL,
         episodes=AUDIT_EPISODES,
     output:
-        csv="results/tables/packing_efficiency.csv",
+        csv=report("results/tables/packing_efficiency.csv", caption=caption("packing_efficiency"),
+                   category=REPORT_EFFICIENCY, subcategory="packing"),
         md="results/tables/packing_efficiency.md",
-        figure="results/figures/packing_efficiency.png",
+        figure=report("results/figures/packing_efficiency.png", caption=caption("packing_efficiency_figure"),
+                      category=REPORT_EFFICIENCY, subcategory="packing"),
     params:
         memopd=MEMOPD,
         cfg=AUDIT_PACKING_CFG,

@@ -25,7 +25,8 @@ rule benchmarks:
         data=BENCHMARK_DATA,
     output:
         tasks=BENCHMARK_FILES,
-        stats="results/tables/benchmark_stats.csv",
+        stats=report("results/tables/benchmark_stats.csv", caption=caption("benchmark_stats"),
+                     category=REPORT_BENCHMARKS, subcategory="benchmarks"),
     params:
         memopd=MEMOPD,
         cfg=cfg_json("benchmarks"),
@@ -120,8 +121,10 @@ rule retrieval_recall:
         index="results/retrieval/index",
         data=RECALL_DATA,
     output:
-        recall="results/tables/retrieval_recall.csv",
-        timing="results/tables/retrieval_timing.csv",
+        recall=report("results/tables/retrieval_recall.csv", caption=caption("retrieval_recall"),
+                      category=REPORT_BENCHMARKS, subcategory="retrieval"),
+        timing=report("results/tables/retrieval_timing.csv", caption=caption("retrieval_timing"),
+                      category=REPORT_EFFICIENCY, subcategory="retrieval"),
     params:
         memopd=MEMOPD,
         cfg=cfg_json("retrieval"),

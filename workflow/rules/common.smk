@@ -29,6 +29,16 @@ MEMOPD = f"{PYTHON} -m memopd.cli"
 ENV_CPU = "../../envs/cpu.yaml"
 ENV_GPU = "../../envs/gpu.yaml" if config["scale"] == "paper" else ENV_CPU
 
+# `snakemake --report results/report.html`: every table and figure is an output marked report(...), in a
+# category per paper section, with a caption template in workflow/report/ (reST + Jinja; see there).
+REPORT_BENCHMARKS, REPORT_SFT, REPORT_AUDITS, REPORT_TRAINING, REPORT_EFFICIENCY = (
+    "1. Benchmarks and retrieval", "2. SFT", "3. Alignment audits", "4. Training", "5. Efficiency")
+
+
+def caption(name):
+    """The report caption of a result: workflow/report/{name}.rst (paths are relative to workflow/rules/)."""
+    return f"../report/{name}.rst"
+
 
 def cfg_json(*keys):
     """A config section as a JSON string for `memopd ... --cfg` (quote with {params.cfg:q})."""
@@ -61,12 +71,16 @@ def job_resources(name):
     `resources: **...`. cpus_per_task repeats threads so that a dry run (which caps threads at its
     --cores) still shows what SLURM will be asked for. gpu is always set (0 on CPU steps) so commands
     can read it; gpu_model only with GPUs, since the SLURM executor turns a model alone into a one-GPU
-    request."""
+    request. A step with several GPUs also gets nodes=1 (the executor's --nodes=1): its one task runs
+    torchrun --standalone (`launcher`), which starts every rank on that task's node, so GPUs SLURM placed
+    on another node would be out of reach."""
     spec = _job_spec(name)
     res = {"cpus_per_task": spec["threads"], "mem_mb": spec["mem_mb"], "runtime": spec["runtime"],
            "gpu": spec.get("gpu", 0)}
     if res["gpu"] and spec.get("gpu_model"):
         res["gpu_model"] = spec["gpu_model"]
+    if res["gpu"] > 1:
+        res["nodes"] = 1
     return res
 
 
@@ -97,6 +111,19 @@ def check_eval_config():
     if missing:
         raise ValueError(f"config eval.benchmarks lacks {sorted(missing)} (train.horizons, "
                          "train.matched_control.benchmark and the SFT summary read them)")
+
+
+def check_tokenizers_config():
+    """Refuse, before any job starts, a student and a teacher (config models) whose tokenizers differ: OPD
+    compares their distributions id by id. Offline and cheap (memopd.vocab reads tokenizer.json from a
+    local directory or the Hugging Face cache); a tokenizer not available yet (a hub name never downloaded,
+    a model this pipeline builds) is checked by the train step before it loads any model."""
+    sys.path.insert(0, SRC)  # this checkout's library, as the jobs run it
+    try:
+        from memopd.vocab import check_model_specs
+    finally:
+        sys.path.remove(SRC)
+    check_model_specs(config["models"])
 
 
 def sft_init(wildcards):

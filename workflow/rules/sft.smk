@@ -16,7 +16,8 @@ rule sft_examples:
     output:
         examples="results/sft/examples.parquet",
         stats="results/sft/examples_stats.json",
-        table="results/tables/sft_data_stats.csv",
+        table=report("results/tables/sft_data_stats.csv", caption=caption("sft_data_stats"), category=REPORT_SFT,
+                     subcategory="data"),
     params:
         memopd=MEMOPD,
         cfg=cfg_json("sft"),
@@ -171,7 +172,8 @@ rule bench_sft:
         data=config["data_dir"],
         tracking=TRACKING_STORE,
     output:
-        "results/bench/sft_packed_vs_padded.csv",
+        report("results/bench/sft_packed_vs_padded.csv", caption=caption("sft_packed_vs_padded"),
+               category=REPORT_EFFICIENCY, subcategory="SFT"),
     params:
         memopd=MEMOPD,
         cfg=cfg_json("sft"),
@@ -203,7 +205,8 @@ rule sft_summary:
         evals=expand("results/eval/{name}/q2_test.json", name=SFT_MODELS),
         info=expand("results/models/{name}/model.safetensors", name=SFT_MODELS),
     output:
-        csv="results/tables/sft_summary.csv",
+        csv=report("results/tables/sft_summary.csv", caption=caption("sft_summary"), category=REPORT_SFT,
+                   subcategory="models"),
         md="results/tables/sft_summary.md",
     params:
         memopd=MEMOPD,

@@ -6,7 +6,7 @@ TRAIN = config["train"]
 # reads, not how to train), so that changing the control's seeds reruns no training and no Tables 1-2.
 TRAIN_RUN = {k: v for k, v in TRAIN.items() if k != "matched_control"}
 TRAIN_SRC = src("train/ppo", "train/loop", "train/weight_sync", "losses", "packing", "attention", "rce", "agent/rollout",
-                "agent/backends", "cli")
+                "agent/backends", "vocab", "cli")
 TRAINED = [f"{m}_seed{s}" for m in TRAIN["methods"] for s in TRAIN["seeds"]]
 # The matched control: methods fixed (as memopd.report.results.MATCHED_METHODS), runs {method}_seed{seed}.
 CONTROL = TRAIN["matched_control"]
@@ -55,9 +55,14 @@ rule results_tables:
         src("report/results", "report/tables", "cli"),
         evals=expand("results/eval/{model}/{benchmark}.json", model=TRAINED, benchmark=list(TRAIN["horizons"])),
     output:
-        multi="results/tables/multiobjective.csv",
-        wiki="results/tables/wikirag.csv",
-        figure="results/figures/f1_vs_horizon.png",
+        multi=report("results/tables/multiobjective.csv", caption=caption("multiobjective"), category=REPORT_TRAINING,
+                     subcategory="Tables 1-2"),
+        wiki=report("results/tables/wikirag.csv", caption=caption("wikirag"), category=REPORT_TRAINING,
+                    subcategory="Tables 1-2"),
+        multi_md="results/tables/multiobjective.md",  # written beside each CSV: caption + table
+        wiki_md="results/tables/wikirag.md",
+        figure=report("results/figures/f1_vs_horizon.png", caption=caption("f1_vs_horizon"), category=REPORT_TRAINING,
+                      subcategory="Tables 1-2"),
     params:
         memopd=MEMOPD,
         cfg=json.dumps(TRAIN_RUN, sort_keys=True),
@@ -81,7 +86,8 @@ rule matched_control:
         src("report/results", "report/tables", "cli"),
         evals=expand("results/eval/{model}/{benchmark}.json", model=CONTROL_RUNS, benchmark=CONTROL["benchmark"]),
     output:
-        csv="results/tables/matched_control.csv",
+        csv=report("results/tables/matched_control.csv", caption=caption("matched_control"), category=REPORT_TRAINING,
+                   subcategory="matched control"),
         md="results/tables/matched_control.md",
     params:
         memopd=MEMOPD,
@@ -98,3 +104,32 @@ rule matched_control:
     shell:
         "{params.memopd} report matched-control --cfg {params.cfg:q} --eval-dir results/eval --out {output.csv} "
         "> {log} 2>&1"
+
+
+rule training_curves:
+    # reward, invalid rate, OPD reverse KL and PPO clip fraction vs step of every (method, seed) run of
+    # train.methods x train.seeds; the figure is also an artifact of the MLflow run `training-curves`
+    input:
+        src("report/curves", "tracking", "cli"),
+        metrics=expand("results/train/{method}/seed{seed}/metrics.jsonl", method=TRAIN["methods"], seed=TRAIN["seeds"]),
+        tracking=TRACKING_STORE,
+    output:
+        figure=report("results/figures/training_curves.png", caption=caption("training_curves"),
+                      category=REPORT_TRAINING, subcategory="training curves"),
+    params:
+        memopd=MEMOPD,
+        cfg=json.dumps(TRAIN_RUN, sort_keys=True),
+        tracking=cfg_json("tracking"),
+        seed=config["seed"],
+    log:
+        f"{LOGS}/training_curves.log",
+    benchmark:
+        f"{LOGS}/bench/training_curves.tsv"
+    threads: job_threads("training_curves")
+    resources:
+        **job_resources("training_curves"),
+    conda:
+        ENV_CPU
+    shell:
+        "{params.memopd} report curves --cfg {params.cfg:q} --seed {params.seed} --metrics {input.metrics} "
+        "--figure {output.figure} --tracking {params.tracking:q} > {log} 2>&1"

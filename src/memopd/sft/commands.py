@@ -19,13 +19,14 @@ def _write_json(path, obj):
 
 
 @contextmanager
-def _tracked(args, run_name: str, config: dict, stage: str, model: str, enabled: bool = True):
+def _tracked(args, run_name: str, config: dict, stage: str, model: str, enabled: bool = True, tags: dict | None = None,
+             parent: dict | None = None):
     from memopd.tracking import NullRun, tracked
 
     if not enabled:
         yield NullRun()
         return
-    with tracked(args.tracking, run_name, config, stage, model, args.seed) as run:
+    with tracked(args.tracking, run_name, config, stage, model, args.seed, tags=tags, parent=parent) as run:
         yield run
 
 
@@ -44,7 +45,8 @@ def cmd_tracking_init(args, cfg):
 
     info = init_store(resolve_uri(cfg["uri"]), cfg["experiment"])
     _write_json(args.out, {**info, "config": cfg})
-    print(f"tracking store {info['tracking_uri']}: experiment {info['experiment']!r} (id {info['experiment_id']})")
+    print(f"tracking store {info['tracking_uri']}: experiment {info['experiment']!r} (id {info['experiment_id']}); "
+          f"in `mlflow ui`: http://127.0.0.1:5000/{info['ui_path']}")
 
 
 def cmd_sft_examples(args, cfg):
@@ -59,7 +61,9 @@ def cmd_sft_examples(args, cfg):
     if args.table:
         _write_csv(args.table, [{k: stats[k] for k in ("teacher", "trajectories_generated", "trajectories_kept",
                                                        "turn_examples")}])
-    with _tracked(args, "sft_examples", {"sft": cfg, "episodes": args.episodes}, "sft_examples", args.teacher) as run:
+    with _tracked(args, "sft_examples", {"sft": cfg, "episodes": args.episodes}, "sft_examples", args.teacher,
+                  tags={"method": "sft", "benchmark": Path(args.episodes).stem}) as run:
+        run.log_input(args.episodes, "source", name="sft/" + Path(args.episodes).stem)
         run.log_metrics({k: v for k, v in stats.items() if isinstance(v, (int, float))}, 0)
         run.log_dict(stats, "stats.json")
     print(f"{stats['trajectories_kept']}/{stats['trajectories_generated']} trajectories kept -> "
@@ -116,7 +120,11 @@ def cmd_sft_train(args, cfg):
     run_cfg = {"sft": cfg, "role": args.role, "stage": args.stage, "resolved": asdict(tcfg), "seed": args.seed,
                "examples": args.examples, "init": args.init, "world_size": world, "device": str(device)}
     name = f"{args.role}_{'lm' if args.stage == 'pretrain' else 'sft'}"
-    with _tracked(args, f"{args.stage}_{args.role}", run_cfg, f"{args.stage}_train", name, enabled=rank == 0) as run:
+    with _tracked(args, f"{args.stage}_{args.role}", run_cfg, f"{args.stage}_train", name, enabled=rank == 0,
+                  tags={"method": "pretrain" if args.stage == "pretrain" else "sft", "role": args.role,
+                        "benchmark": "sft/" + Path(args.examples).stem}) as run:
+        if rank == 0:
+            run.log_input(args.examples, "train", name="sft/" + Path(args.examples).stem)
         summary = train(model, train_ex, heldout, tcfg, args.seed, out / "checkpoint", log=run.log_metrics,
                         identity=identity)
         if rank == 0:
@@ -130,6 +138,7 @@ def cmd_sft_train(args, cfg):
             _write_json(out / "memopd_model.json", info)
             run.log_dict(summary, "summary.json")
             run.log_metrics({"train_seconds": summary["train_seconds"]}, summary["steps"])
+            run.write_ref(out)  # the model's evaluations (sft eval, eval) become child runs of this one
             shutil.rmtree(out / "checkpoint", ignore_errors=True)
     if world > 1:
         torch.distributed.destroy_process_group()
@@ -145,6 +154,7 @@ def cmd_sft_eval(args, cfg):
     from memopd.records import load_episodes
     from memopd.sft.data import split_heldout
     from memopd.sft.trainer import TrainConfig, evaluate, setup_distributed
+    from memopd.tracking import run_ref
 
     _threads(args)
     device = setup_distributed()
@@ -154,12 +164,14 @@ def cmd_sft_eval(args, cfg):
         raise SystemExit("no held-out examples (eval_fraction is 0 or too small for the data)")
     model = load_model(args.model, dtype="float32", device=str(device))
     run_cfg = {"sft": cfg, "role": args.role, "seed": args.seed, "examples": args.examples, "model": args.model}
-    with _tracked(args, f"sft_eval_{args.name}", run_cfg, "sft_eval", args.name) as run:
+    with _tracked(args, f"sft_eval_{args.name}", run_cfg, "sft_eval", args.name, parent=run_ref(args.model),
+                  tags={"role": args.role, "benchmark": "sft/" + Path(args.examples).stem}) as run:
+        run.log_input(args.examples, "eval", name="sft/" + Path(args.examples).stem)
         ev = evaluate(model, heldout, tcfg)
         result = {"model": args.name, "params": sum(p.numel() for p in model.parameters()),
                   "heldout_target_loss": ev["target_loss"], "heldout_target_tokens": ev["target_tokens"],
                   "heldout_examples": ev["examples"], "config": run_cfg}
-        run.log_metrics({"heldout_target_loss": ev["target_loss"]}, 0)
+        run.log_metrics({"eval/heldout_target_loss": ev["target_loss"]}, 0)  # as the SFT run's heldout_target_loss curve
         run.log_dict(result, "eval.json")
     _write_json(args.out, result)
     print(f"{args.name}: held-out target loss {ev['target_loss']:.4f} over {ev['target_tokens']} tokens -> {args.out}")
@@ -180,7 +192,8 @@ def cmd_bench_sft(args, cfg):
     examples = synthetic_examples(_token_pool(args.model, args.data_dir), args.examples, args.seed)
     run_cfg = {"sft": cfg, "seed": args.seed, "model": args.model, "examples": args.examples, "shapes": SHAPES,
                "max_bins": args.max_bins, "device": device}
-    with _tracked(args, "bench_sft", run_cfg, "bench_sft", Path(args.model).name) as run:
+    with _tracked(args, "bench_sft", run_cfg, "bench_sft", Path(args.model).name,
+                  tags={"method": "bench", "benchmark": "synthetic"}) as run:
         rows = bench_sft(model, examples, tcfg.seq_len, tcfg.lr, args.seed, max_bins=args.max_bins)
         for r in rows:
             run.log_metrics({f"{r['path']}_tokens_per_s".replace("/", "_"): r["tokens_per_s"]}, 0)

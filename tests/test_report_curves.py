@@ -1,0 +1,66 @@
+"""The training-curves figure: per method the mean over seeds and the min-max band of each quantity, from
+the runs' metrics.jsonl (keys as train/loop.py writes them); `memopd report curves` writes the PNG."""
+import json
+
+import pytest
+
+from memopd.report.curves import PANELS, curve, load_runs
+
+
+def _run(path, method, seed, steps, opd=True):
+    lines = []
+    for s in range(steps):
+        m = {"step": s, "method": method, "seed": seed, "reward/task": 0.1 * s + seed, "rollout/invalid_rate": 0.5,
+             "ppo/clipfrac": 0.01 * seed, "reward/f1": 0.2}
+        if opd:
+            m["opd/loss"] = 1.0 / (s + 1)
+        lines.append(json.dumps(m))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(reversed(lines)) + "\n")  # any line order: sorted by step
+    return path
+
+
+def test_mean_and_band_over_seeds(tmp_path):
+    paths = [_run(tmp_path / f"memopd/seed{s}/metrics.jsonl", "memopd", s, 3) for s in (0, 1, 2)]
+    paths.append(_run(tmp_path / "ppo/seed0/metrics.jsonl", "ppo", 0, 2, opd=False))
+    runs = load_runs(paths)
+    assert sorted(runs) == ["memopd", "ppo"] and sorted(runs["memopd"]) == [0, 1, 2]
+    c = curve(runs["memopd"], "reward/task")
+    assert c["step"] == [0, 1, 2] and c["seeds"] == 3
+    assert c["mean"] == pytest.approx([1.0, 1.1, 1.2]) and c["min"] == pytest.approx([0.0, 0.1, 0.2])
+    assert c["max"] == pytest.approx([2.0, 2.1, 2.2])
+    assert curve(runs["ppo"], "opd/loss") is None  # ppo scores no teacher
+    assert {k for k, _ in PANELS} == {"reward/task", "rollout/invalid_rate", "opd/loss", "ppo/clipfrac"}
+
+
+def test_cli_writes_the_figure_without_tracking(tmp_path, capsys):
+    from memopd.cli import main
+
+    paths = [_run(tmp_path / f"{m}/seed{s}/metrics.jsonl", m, s, 2, opd=m != "ppo")
+             for m in ("ppo", "memopd") for s in (0, 1)]
+    fig = tmp_path / "figures/training_curves.png"
+    main(["report", "curves", "--cfg", json.dumps({"benchmark": "q2_train"}), "--metrics", *map(str, paths),
+          "--figure", str(fig)])
+    assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "tracking: off" in out and "opd/loss" in out and "memopd 1 -> 0.5" in out
+
+
+def test_the_curves_rule_reads_every_main_run():
+    """`results/figures/training_curves.png` (in `all`) reads the metrics of train.methods x train.seeds."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([str(Path(sys.executable).parent / "snakemake"), "-n", "--forceall",
+                          "results/figures/training_curves.png"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    block = res.stdout[res.stdout.index("rule training_curves:"):].split("\n\n")[0]
+    inputs = next(line for line in block.splitlines() if line.strip().startswith("input:"))
+    cfg = yaml.safe_load((root / "config/config.yaml").read_text())["train"]
+    want = {f"results/train/{m}/seed{s}/metrics.jsonl" for m in cfg["methods"] for s in cfg["seeds"]}
+    assert {p for p in inputs.split("input:")[1].replace(",", " ").split() if p.endswith("metrics.jsonl")} == want
+    assert "results/tracking/store.json" in inputs
