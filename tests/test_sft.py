@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memopd.packing import PackingLimitError
-from memopd.records import Episode, Invocation, load_episodes
+from memopd.records import Episode, load_episodes
 from memopd.sft.data import StepPlan, bin_pack, example_len, split_heldout, turn_examples
 from memopd.sft.loss import packed_target_loss, padded_target_loss
 from memopd.sft.trainer import TrainConfig, evaluate, lr_factor, train

@@ -1,7 +1,6 @@
 """The Snakemake workflow: config validation, the DAG, lint, and the RCE step through the real CLI."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path

@@ -13,11 +13,9 @@ from pathlib import Path
 
 
 def _write_json(path: str | Path, obj) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)
+    from memopd.report.tables import write_json
+
+    write_json(path, obj)
 
 
 def _write_csv(path: str | Path, rows: list[dict]) -> None:
@@ -51,14 +49,9 @@ def cmd_model_base(args, cfg):
 
 
 def _token_pool(tokenizer_dir: str, data_dir: str, n_texts: int = 200) -> list[int]:
-    """Real token ids: the first texts of the committed corpus through the real tokenizer."""
-    from itertools import islice
+    from memopd.synthetic import token_pool
 
-    from memopd.data import corpus_texts
-    from memopd.models import load_tokenizer
-
-    tok = load_tokenizer(tokenizer_dir)
-    return [i for text in islice(corpus_texts(data_dir), n_texts) for i in tok(text)["input_ids"]]
+    return token_pool(tokenizer_dir, data_dir, n_texts)
 
 
 def cmd_rce(args, cfg):

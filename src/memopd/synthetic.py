@@ -12,6 +12,17 @@ from typing import Sequence
 
 from memopd.records import Episode, Invocation, Retained
 
+def token_pool(tokenizer_dir: str, data_dir: str, n_texts: int = 200) -> list[int]:
+    """Real token ids: the first texts of the committed corpus through the real tokenizer."""
+    from itertools import islice
+
+    from memopd.data import corpus_texts
+    from memopd.models import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    return [i for text in islice(corpus_texts(data_dir), n_texts) for i in tok(text)["input_ids"]]
+
+
 RULES = ("full_retention", "suffix_retention", "summary_replacement", "sliding_window", "retrieval_refresh")
 
 

@@ -8,7 +8,6 @@ including a preview of what a score filter would keep (the filter itself is the 
 """
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections import Counter
@@ -136,8 +135,6 @@ def _llm_rollout(llm_cfg: dict, tok, tasks, retriever, agent, seed, progress, rs
 
 
 def _write_json(path: str | Path, obj) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
+    from memopd.report.tables import write_json
+
+    write_json(path, obj)

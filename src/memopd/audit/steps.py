@@ -19,15 +19,10 @@ from pathlib import Path
 import torch
 
 from memopd.records import Episode, load_episodes, save_episodes
+from memopd.report.tables import write_json as _write_json
 from memopd.report.tables import write_table
 
 # --- episodes -------------------------------------------------------------------------------------
-
-
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
 
 
 def rollout_step(cfg: dict, model_dir: str, benchmark: str, index: str, out: str, seed: int,

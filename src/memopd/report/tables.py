@@ -2,7 +2,17 @@
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
+
+
+def write_json(path: str | Path, obj) -> None:
+    """An object as indented JSON, atomically (written beside, then renamed), creating the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def _fmt(v) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def _write_json(path, obj):
-    from memopd.cli import _write_json as w
+    from memopd.report.tables import write_json as w
 
     w(path, obj)
 
@@ -50,7 +50,7 @@ def cmd_tracking_init(args, cfg):
 
 
 def cmd_sft_examples(args, cfg):
-    from memopd.cli import _write_csv
+    from memopd.report.tables import write_csv as _write_csv
     from memopd.records import load_episodes, save_episodes
     from memopd.sft.data import turn_examples
 
@@ -178,7 +178,8 @@ def cmd_sft_eval(args, cfg):
 
 
 def cmd_bench_sft(args, cfg):
-    from memopd.cli import _token_pool, _write_csv
+    from memopd.report.tables import write_csv as _write_csv
+    from memopd.synthetic import token_pool as _token_pool
     from memopd.models import load_model
     from memopd.sft.bench import SHAPES, bench_sft, synthetic_examples
     from memopd.sft.trainer import TrainConfig
