@@ -166,3 +166,42 @@ def test_rce_rollouts_cli(tmp_path, monkeypatch):
     for r in rep["rules"].values():
         assert set(r["backends"]) == {"sdpa", "prefix_shared"} and r["episodes"] == 2 and r["calls"] == 6
         assert r["retained_tokens"] > 0 and r["behaviour_vs_recomputed"]["tokens"] == 36
+
+
+def test_model_steps_load_on_the_jobs_gpu_when_it_has_one(tmp_path, monkeypatch):
+    """rce-rollouts re-loaded its audit model (another dtype than the rollout's) on the CPU whatever the
+    job had (issue 15, item 5). With a GPU reported, every load asks for it: the rollout model, the
+    re-load, and `memopd rce` without --device. No GPU here: the loads record the device and load on
+    the CPU; the re-load (and then every load) stops the step once recorded."""
+    import torch
+
+    import memopd.models as models
+
+    real_load, asked, stop = models.load_model, [], {"all": False}
+
+    def load_model(path, dtype="float32", device="cpu", **kw):
+        asked.append((dtype, device))
+        if dtype == "bfloat16" or stop["all"]:
+            raise RuntimeError("stop: load recorded")
+        return real_load(path, dtype=dtype, device="cpu", **kw)
+
+    model_dir = tmp_path / "student"
+    random_student(0).save_pretrained(model_dir)
+    tokenizer().save_pretrained(model_dir)
+    _benchmark(tmp_path / "q2_train.parquet", n=1)
+    monkeypatch.setattr(evaluate, "load_retriever", lambda path: retriever())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(models, "load_model", load_model)
+    cfg = {"agent": {"rule": "summary_replacement", "turns": {"default": 2}, "max_observation_tokens": 16},
+           "rollout": {"backend": "hf", "dtype": "float32", "batch_size": 1, "max_new_tokens": 4, "temperature": 1.0},
+           "rce_rollouts": {"benchmark": "q2_train", "tasks": 1, "max_new_tokens": 4, "dtype": "bfloat16",
+                            "backends": ["sdpa"]}}
+    with pytest.raises(RuntimeError, match="stop"):
+        main(["rce-rollouts", "--cfg", json.dumps(cfg), "--model", str(model_dir), "--benchmark",
+              str(tmp_path / "q2_train.parquet"), "--index", "unused", "--out", str(tmp_path / "rr.json")])
+    stop["all"] = True
+    with pytest.raises(RuntimeError, match="stop"):
+        main(["rce", "--cfg", json.dumps({"dtype": "float32", "backends": ["sdpa"], "episodes": 1, "calls": 1,
+                                         "prefix_tokens": 4, "observation_tokens": 4, "response_tokens": 4}),
+              "--model", str(model_dir), "--data-dir", "data", "--out", str(tmp_path / "r.json")])
+    assert asked == [("float32", "cuda"), ("bfloat16", "cuda"), ("float32", "cuda")], asked

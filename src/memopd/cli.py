@@ -57,12 +57,12 @@ def _token_pool(tokenizer_dir: str, data_dir: str, n_texts: int = 200) -> list[i
 def cmd_rce(args, cfg):
     import torch
 
-    from memopd.models import load_model
+    from memopd.models import default_device, load_model
     from memopd.rce import rce_report, report_rows
     from memopd.synthetic import RULES, random_episode
 
     torch.manual_seed(args.seed)
-    model = load_model(args.model, dtype=cfg["dtype"], device=args.device)
+    model = load_model(args.model, dtype=cfg["dtype"], device=args.device or default_device())
     pool = _token_pool(args.model, args.data_dir)
     rng = random.Random(args.seed)
     rules = cfg.get("rules", list(RULES))
@@ -206,7 +206,7 @@ def cmd_rce_rollouts(args, cfg):
 
     from memopd.agent.evaluate import load_tasks, rce_rollouts
     from memopd.agent.memory import RULES
-    from memopd.models import load_model
+    from memopd.models import default_device, load_model
     from memopd.rce import tolerance_fields, tolerances
 
     rc = cfg["rce_rollouts"]
@@ -214,7 +214,7 @@ def cmd_rce_rollouts(args, cfg):
     tasks = load_tasks(args.benchmark, limit=args.limit or rc["tasks"])
     if model is None or str(model.dtype).split(".")[-1] != rc["dtype"]:
         # the packed and independent passes run under transformers in the audit's dtype
-        model = load_model(args.model, dtype=rc["dtype"])
+        model = load_model(args.model, dtype=rc["dtype"], device=default_device())
     agent = replace(agent, invalid_action=rc.get("invalid_action", agent.invalid_action))
     report = rce_rollouts(model, backend, tok, tasks, retriever, agent, rules=rc.get("rules") or RULES,
                           backends=rc["backends"], dtype=rc["dtype"], tolerance=rc.get("tolerance"), seed=args.seed)
@@ -435,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--data-dir", default="data")
     sp.add_argument("--out", required=True, help="JSON report (a CSV is written beside it)")
     sp.add_argument("--strict", action="store_true", help="exit non-zero when any backend fails")
-    sp.add_argument("--device", default="cpu", help="torch device of the model (cuda at paper scale)")
+    sp.add_argument("--device", help="torch device of the model (default: the job's GPU if it has one, else cpu)")
 
     def agent_args(sp):
         sp.add_argument("--model", required=True, help="model directory")

@@ -171,6 +171,11 @@ def packaged_model(spec: dict, out_dir: str | Path) -> dict:
     return info
 
 
+def default_device() -> str:
+    """The job's GPU when it has one, else the CPU: every step that runs a model uses this device."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", offline: bool = True,
                attn_implementation: str = "sdpa"):
     """Load a causal LM from a directory or hub name (safetensors only)."""

@@ -58,7 +58,7 @@ def eval_overrides(eval_cfg: dict, bench: str) -> dict:
 
 def make_backend(rollout_cfg: dict, model_dir: str | Path, seed: int = 0, **sampling_overrides):
     """The generation backend named by the `rollout` config section (`hf` or `vllm`)."""
-    from memopd.models import load_model, load_tokenizer
+    from memopd.models import default_device, load_model, load_tokenizer
 
     sampling = make_sampling(rollout_cfg, **sampling_overrides)
     tok = load_tokenizer(model_dir)
@@ -67,7 +67,7 @@ def make_backend(rollout_cfg: dict, model_dir: str | Path, seed: int = 0, **samp
         return VLLMBackend(str(model_dir), tok, sampling, dtype=rollout_cfg.get("dtype", "bfloat16"), seed=seed,
                            gpu_memory_utilization=v.get("gpu_memory_utilization", 0.85),
                            max_model_len=v.get("max_model_len")), tok, None
-    device = rollout_cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = rollout_cfg.get("device") or default_device()
     model = load_model(model_dir, dtype=rollout_cfg.get("dtype", "float32"), device=device)
     return HFBackend(model, tok, sampling), tok, model
 

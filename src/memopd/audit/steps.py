@@ -93,7 +93,9 @@ def describe(meta: dict) -> str:
 
 
 def _device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    from memopd.models import default_device
+
+    return default_device()
 
 
 def _load(model_dir: str, dtype: str):
