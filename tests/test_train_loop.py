@@ -27,7 +27,7 @@ def setup(tmp_path_factory):
     retriever().save(d / "index")
     cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     cfg = {k: cfg[k] for k in ("train", "agent", "rollout")}
-    cfg["train"].update(steps=3, batch_tasks=3, checkpoint_every=1)
+    cfg["train"].update(steps=3, batch_tasks=3, checkpoint_every=1, keep_checkpoint=True)
     cfg["rollout"].update(max_new_tokens=24, batch_size=3)
     cfg["agent"].update(invalid_action="continue", max_observation_tokens=48, turns={"default": 3})
     return d, cfg
@@ -101,6 +101,22 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_any_model_loads(setu
         train_run(cfg, "memopd", 0, d / "student", teacher, d / "q2_train.parquet", d / "index", tmp_path / "run",
                   log=lambda *a: None)
     assert not (tmp_path / "run").exists()  # refused before the run started
+
+
+def test_a_finished_run_deletes_its_checkpoint_unless_kept(setup, tmp_path):
+    """Checkpoint retention (issue 15, item 12): a paper-scale checkpoint is ~74 GB and was kept forever.
+    A finished run keeps metrics.jsonl and model/ and deletes checkpoint/ (keep_checkpoint: false, both
+    configs); an interrupted run keeps it, since resume needs it."""
+    d, cfg = setup
+    short = {**cfg, "train": {**cfg["train"], "steps": 2, "keep_checkpoint": False}}
+    _run((d, short), tmp_path / "cut", stop_after=1)
+    assert (tmp_path / "cut/checkpoint/state.pt").exists()
+    _run((d, short), tmp_path / "cut")
+    assert not (tmp_path / "cut/checkpoint").exists() and (tmp_path / "cut/model/model.safetensors").exists()
+    lines = [json.loads(x) for x in (tmp_path / "cut/metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1]
+    for name in ("config.yaml", "paper.yaml"):
+        assert yaml.safe_load((ROOT / "config" / name).read_text())["train"]["keep_checkpoint"] is False
 
 
 def test_the_data_order_is_the_same_for_every_method():

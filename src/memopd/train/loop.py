@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import fields
@@ -51,7 +52,7 @@ from memopd.vocab import check_model_dirs
 
 # Config keys that do not change what a step computes, so not part of a run's identity: the data order of
 # the first steps does not depend on train.steps (`task_order`), so a finished run can be extended.
-NOT_IDENTITY = ("steps", "checkpoint_every")
+NOT_IDENTITY = ("steps", "checkpoint_every", "keep_checkpoint")
 
 
 class ResumeMismatch(RuntimeError):
@@ -311,4 +312,6 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     if rank == 0:
         parallel.unwrap(policy).save_pretrained(out / "model", state_dict=state, safe_serialization=True)
         tok.save_pretrained(out / "model")
+        if not tcfg.get("keep_checkpoint", False):  # resume needs it no more; at paper scale it is ~74 GB
+            shutil.rmtree(ckpt, ignore_errors=True)
     return history
