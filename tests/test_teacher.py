@@ -162,20 +162,170 @@ def test_cli_writes_trajectories_and_stats(tmp_path):
               "--stats", str(stats)])
 
 
-@pytest.mark.parametrize("configfile", [None, "config/paper.yaml"])
-def test_rule_builds_the_trajectories(configfile):
+# --- shards: one job per slice of the tasks, resumable chunks, a cheap merge ------------------------------
+
+def _step_inputs(tmp_path, n=7):
+    """A saved tokenizer and BM25 index, and n real NQ Q2 tasks over two benchmark files (4 + n-4)."""
+    import yaml
+
+    tok = tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    retriever().save(tmp_path / "index")
+    tasks = nq_tasks(n, n_questions=2, start=120)
+    files = []
+    for name, part in (("q2a", tasks[:4]), ("q2b", tasks[4:])):
+        files.append(str(tmp_path / f"{name}.parquet"))
+        pq.write_table(pa.table({"task_id": [t.task_id for t in part], "questions": [t.questions for t in part],
+                                 "answers": [t.answers for t in part], "benchmark": [name] * len(part)}), files[-1])
+    full = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    cfg = {k: full[k] for k in ("teacher", "agent", "rollout")}
+    return cfg, files, tasks
+
+
+def _traj(cfg, files, tmp_path, out, shard=None):
+    from memopd.agent.trajectories import trajectories_step
+
+    return trajectories_step(cfg, files, str(tmp_path / "index"), str(tmp_path / "tok"), str(out),
+                             str(out.with_name(out.stem + "_stats.json")), seed=5, progress=False, shard=shard)
+
+
+SUMMARY_KEYS = ("trajectories_generated", "em", "f1", "calls_per_episode", "invalid_action_rate", "answered_rate",
+                "turn_examples", "searches_per_episode", "end_reasons", "response_tokens_mean", "response_tokens_max",
+                "peak_context_tokens_mean", "filter_preview", "unsupported_memory_claims", "budget_fits",
+                "benchmarks")
+
+
+def test_shards_merged_equal_one_process(tmp_path):
+    """Three shards (chunks of 2 tasks) of 7 tasks over two benchmark files, merged by the CLI: the same
+    episodes, in the same order, and the same stats (every figure, to the last bit) as one process playing
+    every task at once; each shard holds exactly its slice of that run. The scripted teacher is deterministic
+    and every episode is sampled with the seeds of its position in the whole task list, so this is equality,
+    not a statistical match. Failed before: one job, no --shard, no merge."""
+    from memopd.agent.shards import shard_bounds
+    from memopd.cli import main
+
+    cfg, files, tasks = _step_inputs(tmp_path)
+    one = _traj(cfg, files, tmp_path, tmp_path / "one/trajectories.parquet")
+    ref = load_episodes(tmp_path / "one/trajectories.parquet")
+    assert [e.task_id for e in ref] == [t.task_id for t in tasks] and one["shard"]["chunks"] == 1
+    sharded = {**cfg, "teacher": {**cfg["teacher"], "shards": 3, "chunk_tasks": 2}}
+    outs = [tmp_path / f"sh/shard_{i}.parquet" for i in range(3)]
+    for i, out in enumerate(outs):
+        main(["sft", "trajectories", "--cfg", json.dumps(sharded), "--seed", "5", "--benchmark", *files, "--index",
+              str(tmp_path / "index"), "--tokenizer", str(tmp_path / "tok"), "--shard", str(i), "--out", str(out),
+              "--stats", str(out.with_name(out.stem + "_stats.json"))])
+        lo, hi = shard_bounds(len(tasks), 3, i)
+        assert load_episodes(out) == ref[lo:hi], i  # the shard is its slice of the one-process run
+        assert not out.with_suffix(".parts").exists()  # the chunks go once the shard is written
+    assert [load_episodes(o)[0].task_id for o in outs] == ["nq120", "nq122", "nq124"]  # slices [0,2) [2,4) [4,7)
+    main(["sft", "merge-trajectories", "--shards", *map(str, outs),
+          "--shard-stats", *(str(o.with_name(o.stem + "_stats.json")) for o in outs),
+          "--out", str(tmp_path / "merged.parquet"), "--stats", str(tmp_path / "merged_stats.json")])
+    assert load_episodes(tmp_path / "merged.parquet") == ref
+    merged = json.loads((tmp_path / "merged_stats.json").read_text())
+    assert {k: merged[k] for k in SUMMARY_KEYS} == {k: one[k] for k in SUMMARY_KEYS}
+    assert set(merged["benchmarks"]) == {"q2a", "q2b"} and merged["rollout"]["episodes"] == 7
+    assert [s["tasks"] for s in merged["shards"]] == [[0, 2], [2, 4], [4, 7]]
+    assert [s["chunks"] for s in merged["shards"]] == [1, 1, 2]
+    with pytest.raises(SystemExit, match="expected 0 of 2"):  # shards out of order are refused
+        main(["sft", "merge-trajectories", "--shards", *map(str, outs[1::-1]), "--shard-stats",
+              *(str(o.with_name(o.stem + "_stats.json")) for o in outs[1::-1]), "--out", str(tmp_path / "x.parquet"),
+              "--stats", str(tmp_path / "x.json")])
+
+
+def test_one_shard_merged_is_the_one_process_file_byte_for_byte(tmp_path):
+    """teacher.shards 1 (the embedded default): shard 0 plus the merge give the very bytes of the one-process
+    step, which plays the tasks as before sharding existed (one rollout over every task)."""
+    from memopd.agent.evaluate import load_tasks
+    from memopd.agent.trajectories import merge_step
+    from memopd.records import save_episodes
+
+    cfg, files, _ = _step_inputs(tmp_path, n=5)
+    tasks = [t for f in files for t in load_tasks(f)]
+    _traj(cfg, files, tmp_path, tmp_path / "one.parquet")
+    _traj(cfg, files, tmp_path, tmp_path / "shard_0.parquet", shard=0)
+    merged = merge_step([str(tmp_path / "shard_0.parquet")], [str(tmp_path / "shard_0_stats.json")],
+                        str(tmp_path / "merged.parquet"), str(tmp_path / "merged_stats.json"))
+    assert (tmp_path / "merged.parquet").read_bytes() == (tmp_path / "one.parquet").read_bytes()
+    tok = tokenizer()
+    sc = {**cfg["teacher"]["scripted"], "max_new_tokens": cfg["rollout"]["max_new_tokens"]}
+    agent = AgentConfig.from_dict(cfg["agent"], batch_size=cfg["teacher"]["batch_size"], reward="f1")
+    before = rollout(tasks, ScriptedTeacher(tok, tasks, ScriptedConfig(**sc)), tok, retriever(), agent, seed=5,
+                     progress=False)  # the step before sharding
+    save_episodes(tmp_path / "before.parquet", before)
+    assert (tmp_path / "before.parquet").read_bytes() == (tmp_path / "one.parquet").read_bytes()
+    assert merged["trajectories_generated"] == 5 and merged["shards"][0]["tasks"] == [0, 5]
+
+
+def test_a_rerun_shard_plays_only_the_chunks_it_lacks(tmp_path, monkeypatch):
+    """A shard killed after its first chunk (2 of its 4 tasks) is rerun: it rolls out the second chunk only
+    and writes the same file as an uninterrupted run. Chunks of other work (here another seed) are dropped."""
+    import memopd.agent.trajectories as traj
+    from memopd.agent.shards import Chunks
+
+    cfg, files, _ = _step_inputs(tmp_path, n=7)
+    cfg = {**cfg, "teacher": {**cfg["teacher"], "shards": 2, "chunk_tasks": 2}}
+    _traj(cfg, files, tmp_path, tmp_path / "ref/shard_1.parquet", shard=1)  # tasks [3, 7): chunks [3, 5) [5, 7)
+    real, played = traj.rollout, []
+
+    def killed_after_one_chunk(tasks, *a, **kw):
+        played.append([t.task_id for t in tasks])
+        if len(played) == 2:
+            raise KeyboardInterrupt("preempted")
+        return real(tasks, *a, **kw)
+
+    out = tmp_path / "run/shard_1.parquet"
+    monkeypatch.setattr(traj, "rollout", killed_after_one_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        _traj(cfg, files, tmp_path, out, shard=1)
+    assert not out.exists() and sorted(p.name for p in out.with_suffix(".parts").glob("chunk_*")) == \
+        ["chunk_0000.json", "chunk_0000.parquet"]
+    played.clear()
+    monkeypatch.setattr(traj, "rollout", lambda tasks, *a, **kw: played.append([t.task_id for t in tasks]) or
+                        real(tasks, *a, **kw))
+    s = _traj(cfg, files, tmp_path, out, shard=1)
+    assert played == [["nq125", "nq126"]] and s["shard"]["chunks_resumed"] == 1
+    assert out.read_bytes() == (tmp_path / "ref/shard_1.parquet").read_bytes()
+    assert s["rollout"]["episodes"] == 4 and s["budget_fits"] == json.loads(
+        (tmp_path / "ref/shard_1_stats.json").read_text())["budget_fits"]
+    parts = Chunks(tmp_path / "parts", "work A")
+    parts.write(0, load_episodes(out)[:1], {"wall_s": 1.0})
+    assert Chunks(tmp_path / "parts", "work A").done(0) == {"wall_s": 1.0}
+    assert Chunks(tmp_path / "parts", "work B").done(0) is None
+
+
+def _dry_run(configfile, target="results/sft/trajectories.parquet"):
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     bin_dir = Path(sys.executable).parent
-    args = [str(bin_dir / "snakemake"), "results/sft/trajectories.parquet", "-n", "--forceall", "--quiet", "rules"]
+    args = [str(bin_dir / "snakemake"), target, "-n", "--forceall", "-p"]
     args += ["--configfile", configfile] if configfile else []
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert re.search(r"sft_trajectories\s+1", res.stdout + res.stderr)
+    return res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("configfile, shards", [(None, 1), ("config/paper.yaml", 40)])
+def test_rule_builds_the_trajectories(configfile, shards):
+    """One job per shard (teacher.shards: 1 on the embedded default, 40 of 1,000 tasks at paper scale), each
+    with --shard i and its own file, then one merge into results/sft/trajectories.parquet (what the SFT data
+    step reads). Failed before: one job of every task at paper scale."""
+    import yaml
+
+    out = _dry_run(configfile)
+    assert re.search(rf"sft_trajectories\s+{shards}\n", out) and re.search(r"sft_trajectories_merge\s+1\n", out)
+    assert sorted(map(int, re.findall(r"--shard (\d+) --out results/sft/trajectories/shard_(?:\d+)\.parquet", out))) \
+        == list(range(shards))
+    assert sorted(map(int, re.findall(r"output: results/sft/trajectories/shard_(\d+)\.parquet", out))) == \
+        list(range(shards))
+    merge = re.search(r"merge-trajectories --shards (.*?) --shard-stats", out).group(1).split()
+    assert merge == [f"results/sft/trajectories/shard_{i}.parquet" for i in range(shards)]
+    cfg = yaml.safe_load((ROOT / (configfile or "config/config.yaml")).read_text())["teacher"]
+    assert cfg["shards"] == shards
 
 
 # --- the LLM teacher ------------------------------------------------------------------------------------
@@ -249,6 +399,37 @@ def test_llm_teacher_client_through_the_rollout(prompt):
         assert all(tok.decode(i.output_ids).endswith(("</search>", "</answer>")) for e in eps for i in e.invocations)
         later = [m for x in _StandIn.bodies for m in x["messages"] if "Your memory" in m["content"]]
         assert later and all("<|im_start|>" not in m["content"] for m in later)
+
+
+def test_llm_teacher_shards_send_the_one_process_seeds(tmp_path):
+    """The LLM teacher (a stand-in server at teacher.llm.url) in 2 shards of chunks of 2 tasks: every call
+    goes out with the seed it has in one process playing all 5 tasks, so a server that samples by the
+    request's seed returns the same episodes; the merge then equals the one-process file."""
+    from memopd.agent.trajectories import merge_step
+
+    cfg, files, tasks = _step_inputs(tmp_path, n=5)
+    _StandIn.teacher, _StandIn.bodies = ScriptedTeacher(tokenizer(), tasks), []
+    server = HTTPServer(("127.0.0.1", 0), _StandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    llm = {**cfg["teacher"]["llm"], "model": "stand-in", "prompt": "ids", "url": url}
+    one_cfg = {**cfg, "teacher": {**cfg["teacher"], "kind": "llm", "llm": llm}}
+    sharded = {**one_cfg, "teacher": {**one_cfg["teacher"], "shards": 2, "chunk_tasks": 2}}
+    try:
+        one = _traj(one_cfg, files, tmp_path, tmp_path / "one.parquet")
+        seeds_one = sorted(b["seed"] for b in _StandIn.bodies)
+        _StandIn.bodies.clear()
+        for i in range(2):
+            _traj(sharded, files, tmp_path, tmp_path / f"shard_{i}.parquet", shard=i)
+        seeds_sharded = sorted(b["seed"] for b in _StandIn.bodies)
+    finally:
+        server.shutdown()
+    assert seeds_sharded == seeds_one and len(seeds_one) == one["turn_examples"]
+    merged = merge_step([str(tmp_path / f"shard_{i}.parquet") for i in range(2)],
+                        [str(tmp_path / f"shard_{i}_stats.json") for i in range(2)],
+                        str(tmp_path / "merged.parquet"), str(tmp_path / "merged_stats.json"))
+    assert load_episodes(tmp_path / "merged.parquet") == load_episodes(tmp_path / "one.parquet")
+    assert merged["server"] == one["server"] == url and merged["model"] == "stand-in"
 
 
 def test_vllm_server_runs_under_the_steps_own_interpreter(tmp_path, monkeypatch):

@@ -9,26 +9,34 @@ TEACHER_TOKENIZER = ("results/models/student_init/model.safetensors" if "pretrai
                      else "results/models/tokenizer/tokenizer.json")
 
 
+# One job per shard (teacher.shards), each a slice of the tasks sampled as in one run (agent/shards.py); a
+# rerun of a preempted shard plays only the chunks (teacher.chunk_tasks) it had not written. The merge
+# writes the one file the SFT data step reads.
+TRAJECTORY_SHARDS = list(range(TEACHER.get("shards", 1)))
+
+
 rule sft_trajectories:
     input:
-        src("agent/teacher", "agent/llm_teacher", "agent/trajectories", "agent/protocol", "agent/memory",
-            "agent/rollout", "agent/backends", "records", "cli"),
+        src("agent/teacher", "agent/llm_teacher", "agent/trajectories", "agent/shards", "agent/protocol",
+            "agent/memory", "agent/rollout", "agent/backends", "records", "cli"),
         benchmarks=expand("results/benchmarks/{name}.parquet", name=TEACHER["benchmarks"]),
         index="results/retrieval/index",
         tokenizer=TEACHER_TOKENIZER,
     output:
-        trajectories="results/sft/trajectories.parquet",
-        stats="results/sft/trajectories_stats.json",
+        trajectories="results/sft/trajectories/shard_{shard}.parquet",
+        stats="results/sft/trajectories/shard_{shard}_stats.json",
+    wildcard_constraints:
+        shard=r"\d+",
     params:
         memopd=MEMOPD,
         cfg=lambda w: json.dumps({k: config[k] for k in ("teacher", "agent", "rollout")}, sort_keys=True),
         seed=config["seed"],
         tokdir=lambda w, input: os.path.dirname(input.tokenizer),
-        server_log=f"{LOGS}/sft_trajectories_vllm.log",
+        server_log=lambda w: f"{LOGS}/sft_trajectories_{w.shard}_vllm.log",
     log:
-        f"{LOGS}/sft_trajectories.log",
+        f"{LOGS}/sft_trajectories_{{shard}}.log",
     benchmark:
-        f"{LOGS}/bench/sft_trajectories.tsv"
+        f"{LOGS}/bench/sft_trajectories_{{shard}}.tsv"
     threads: job_threads("sft_trajectories")
     resources:
         **job_resources("sft_trajectories"),
@@ -36,5 +44,29 @@ rule sft_trajectories:
         ENV_GPU  # the LLM teacher (vLLM) at paper scale
     shell:
         "{params.memopd} sft trajectories --cfg {params.cfg:q} --seed {params.seed} --benchmark {input.benchmarks} "
-        "--index {input.index} --tokenizer {params.tokdir} --out {output.trajectories} --stats {output.stats} "
-        "--server-log {params.server_log} > {log} 2>&1"
+        "--index {input.index} --tokenizer {params.tokdir} --shard {wildcards.shard} --out {output.trajectories} "
+        "--stats {output.stats} --server-log {params.server_log} > {log} 2>&1"
+
+
+rule sft_trajectories_merge:
+    input:
+        src("agent/trajectories", "agent/shards", "records", "sft/commands", "cli"),
+        shards=expand("results/sft/trajectories/shard_{shard}.parquet", shard=TRAJECTORY_SHARDS),
+        stats=expand("results/sft/trajectories/shard_{shard}_stats.json", shard=TRAJECTORY_SHARDS),
+    output:
+        trajectories="results/sft/trajectories.parquet",
+        stats="results/sft/trajectories_stats.json",
+    params:
+        memopd=MEMOPD,
+    log:
+        f"{LOGS}/sft_trajectories_merge.log",
+    benchmark:
+        f"{LOGS}/bench/sft_trajectories_merge.tsv"
+    threads: job_threads("sft_trajectories_merge")
+    resources:
+        **job_resources("sft_trajectories_merge"),
+    conda:
+        ENV_CPU
+    shell:
+        "{params.memopd} sft merge-trajectories --shards {input.shards} --shard-stats {input.stats} "
+        "--out {output.trajectories} --stats {output.stats} > {log} 2>&1"

@@ -70,6 +70,17 @@ def cmd_sft_examples(args, cfg):
           f"{stats['turn_examples']} turn examples ({stats['duplicates_dropped']} duplicates dropped) -> {args.out}")
 
 
+def cmd_sft_merge_trajectories(args, cfg):
+    from memopd.agent.trajectories import merge_step
+
+    try:
+        s = merge_step(args.shards, args.shard_stats, args.out, args.stats)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
+    print(f"{len(args.shards)} shards -> {s['trajectories_generated']} {s['teacher']} trajectories "
+          f"({s['turn_examples']} calls): EM {s['em']:.3f} F1 {s['f1']:.3f} -> {args.out}")
+
+
 def cmd_sft_lm_data(args, cfg):
     """Pre-training data from the corpus passages as the agent reads them (`(Title: t) text`, the layout
     of its <information> blocks), tokenised once: with `sft.pretrain.lm_text` every passage as plain
@@ -229,6 +240,13 @@ def register(sub, add, bench, sft) -> None:
     sp.add_argument("--out", required=True, help="examples (records parquet, one call per episode)")
     sp.add_argument("--stats", required=True, help="JSON stats")
     sp.add_argument("--table", help="CSV row: teacher, trajectories_generated, trajectories_kept, turn_examples")
+
+    sp = add("merge-trajectories", cmd_sft_merge_trajectories, "trajectory shards (sft trajectories --shard) -> "
+             "one file + stats", sft)
+    sp.add_argument("--shards", nargs="+", required=True, help="shard files (records parquet), in shard order")
+    sp.add_argument("--shard-stats", nargs="+", required=True, help="their stats JSON, in the same order")
+    sp.add_argument("--out", required=True, help="all episodes, in task order (records parquet)")
+    sp.add_argument("--stats", required=True, help="JSON stats of all episodes")
 
     sp = add("lm-data", cmd_sft_lm_data, "corpus passages (+ copy curriculum) -> LM pre-training examples", sft)
     sp.add_argument("--corpus", required=True, help="corpus parquet (memopd retrieval corpus)")
