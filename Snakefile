@@ -25,6 +25,7 @@ include: "workflow/rules/sft.smk"
 include: "workflow/rules/eval.smk"
 include: "workflow/rules/audit.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/plan.smk"
 
 
 rule all:
@@ -43,6 +44,7 @@ rule all:
         rules.matched_control.output,
         rules.training_curves.output,
         AUDIT_TABLES,
+        PLAN_TARGETS,  # paper scale: results/plan/plan.{csv,md}
 
 
 check_resources_config()

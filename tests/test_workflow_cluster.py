@@ -14,11 +14,12 @@ from workflow_helpers import REPO, dry_run_jobs, rule_kinds, snakemake, workflow
 
 # Jobs of `all` per rule. Paper scale: pretrained models bring their tokenizer, so no tokenizer job.
 # A rule added to the DAG gets its count here (the resource checks below already cover it).
-# 5 seeds x 3 methods of training; evaluations: one job per model (3 SFT-stage + 15 trained) over its benchmarks
-PAPER_JOBS = {"model_init": 2, "rce_smoke": 1, "fetch_corpus": 1, "sft_trajectories": 1, "sft_train": 2,
-              "train": 15, "eval": 18, "all": 1}
+# 5 seeds x 3 methods of training; evaluations: one job per model (3 SFT-stage + 15 trained) over its benchmarks;
+# teacher trajectories: one job per shard (teacher.shards) and one merge
+PAPER_JOBS = {"model_init": 2, "rce_smoke": 1, "fetch_corpus": 1, "sft_trajectories": 40, "sft_trajectories_merge": 1,
+              "sft_train": 2, "train": 15, "eval": 18, "all": 1}
 EMBEDDED_JOBS = {"tokenizer": 1, "model_init": 2, "rce_smoke": 1, "sft_lm_data": 1, "sft_pretrain": 2, "sft_train": 2,
-                 "train": 15, "eval": 18, "all": 1}
+                 "sft_trajectories": 1, "sft_trajectories_merge": 1, "train": 15, "eval": 18, "all": 1}
 
 
 @pytest.fixture(scope="module")

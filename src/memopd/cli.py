@@ -334,7 +334,7 @@ def cmd_sft_trajectories(args, cfg):
             sys.exit(f"error: --cfg needs the config sections teacher, agent and rollout (missing {key!r})")
     try:
         s = trajectories_step(cfg, args.benchmark, args.index, args.tokenizer, args.out, args.stats, seed=args.seed,
-                              limit=args.limit, server_log=args.server_log)
+                              limit=args.limit, server_log=args.server_log, shard=args.shard)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
     kept = "  ".join(f"{k}: {v['trajectories']} ({v['turn_examples']} turns)" for k, v in s["filter_preview"].items())
@@ -500,6 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="results/sft/trajectories.parquet")
     sp.add_argument("--stats", default="results/sft/trajectories_stats.json")
     sp.add_argument("--server-log", help="log of the vLLM server the llm teacher starts (default: beside --stats)")
+    sp.add_argument("--shard", type=int, help="play only shard I of teacher.shards (a slice of the tasks, sampled as "
+                    "in the whole run; merge with `memopd sft merge-trajectories`); default: every task")
 
     audit = sub.add_parser("audit", help="alignment audits and ablation tables (config section `audit`)")
     audit = audit.add_subparsers(dest="audit_command", required=True)
@@ -572,6 +574,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-k", type=int, default=3)
     sp.add_argument("query", nargs="+")
 
+    from memopd.plan import add_parser as add_plan  # `plan`: every job's memory and disk vs its resources
+
+    add_plan(add, sub)
     from memopd.sft.commands import register  # `sft ...`, `tracking init`, `bench sft`
 
     register(sub, add, bench, sft)

@@ -126,6 +126,29 @@ def check_tokenizers_config():
     check_model_specs(config["models"])
 
 
+def check_plan():
+    """The onstart check (workflow/rules/plan.smk): with plan.enforce, refuse a run whose jobs do not fit their
+    resources (memopd.plan), before any job starts; it plans the rules of the jobs Snakemake is about to run
+    (every modelled job if the DAG is not available)."""
+    if not (config.get("plan") or {}).get("enforce", False):
+        return
+    from snakemake.exceptions import WorkflowError
+
+    sys.path.insert(0, SRC)  # this checkout's library, as the jobs run it
+    try:
+        from memopd.plan import failures, plan
+    finally:
+        sys.path.remove(SRC)
+    try:
+        rules = {job.rule.name for job in workflow.dag.needrun_jobs()}
+    except AttributeError:
+        rules = None
+    bad = failures(config, plan(config, rules))
+    if bad:
+        raise WorkflowError("resource plan: these jobs do not fit their resources (`memopd plan --config ...` "
+                            "prints every term; set plan.enforce: false to run anyway):\n  " + "\n  ".join(bad))
+
+
 def sft_init(wildcards):
     """SFT starts from the role's LM pre-training when sft.pretrain gives it a budget, else from its init."""
     stage = "lm" if (config["sft"].get("pretrain") or {}).get(wildcards.role) else "init"

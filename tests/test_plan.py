@@ -1,0 +1,285 @@
+"""The resource plan (memopd.plan): parameter counts and activation coefficients against what the models
+really are, tiny-model estimates against peaks measured here, paper scale against 80 GB GPUs, refusals of
+undersized configs, and the workflow's onstart check.
+
+Run as a script (`python tests/test_plan.py sft student|teacher` or `... train`), this file measures the
+peak RSS of one tiny SFT step or PPO update and prints it as JSON (the measurement test runs it so, in a
+fresh process)."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAPER, EMBEDDED = REPO / "config/paper.yaml", REPO / "config/config.yaml"
+# Modelled rules that are not part of `all` at paper scale (bench_sft is its own target).
+NOT_IN_ALL = {"bench_sft"}
+# What does not fit at paper scale (the finding; see the reasons in test_paper_plan_names_what_does_not_fit).
+PAPER_MISFITS = {"retrieval_index", "retrieval_recall", "eval[teacher]", "sft_train[student]", "sft_train[teacher]",
+                 "rce_rollouts", "audit_episodes", "audit_rule_episodes", "audit_alignment", "audit_state_corruption",
+                 "audit_teacher_divergence", "audit_context_updates", "audit_packing_efficiency", "train"}
+
+
+def _cfg(path=PAPER) -> dict:
+    from memopd.plan import load_config
+
+    return load_config([str(path)])
+
+
+def _misfits(cfg, rules=None) -> dict[str, list[str]]:
+    from memopd.plan import plan
+
+    return {j.name: j.failures() for j in plan(cfg, rules) if j.failures()}
+
+
+def _fixed(cfg: dict) -> dict:
+    """Paper scale with the changes that make its training and SFT jobs fit (see README, "The resource plan"):
+    activation checkpointing in both trainers and FSDP for SFT (trainer features the plan already reads),
+    no RCE guard sample in training (its logits of whole worst-case episodes), and host memory for the
+    jobs that hold the dense index."""
+    w = copy.deepcopy(cfg)
+    w["train"]["activation_checkpointing"] = True
+    w["train"]["ppo"]["rce_sample"] = 0
+    w["sft"].update(shard="fsdp", activation_checkpointing=True)
+    r = w["resources"]["rules"]
+    r["train"]["mem_mb"] = 640000
+    r["retrieval_index"]["mem_mb"] = 256000
+    for k in ("eval", "rce_rollouts", "audit_episodes"):
+        r[k]["mem_mb"] = 96000
+    r["retrieval_recall"] = {"threads": 4, "mem_mb": 96000, "runtime": 120}
+    return w
+
+
+def test_parameter_counts_of_the_paper_models():
+    """The Qwen2 formula gives the published counts from the sizes alone (Qwen2.5-3B 3,085,938,688, -7B
+    7,615,616,512; e5-base-v2 is a BERT-base: 109,482,240)."""
+    from memopd.plan import spec_from_config
+
+    for name, sizes in _cfg()["plan"]["models"].items():
+        if "weights_gb" in sizes:  # gpt-oss: MoE, its count is taken from the table
+            continue
+        given = dict(sizes)
+        params = given.pop("params")
+        assert spec_from_config(name, given).params == params, name
+
+
+def _saved_bytes(h, i, heads, kv, layers, seq, bf16):
+    """Bytes autograd saves for the backward of a Qwen2 decoder (not counting parameters)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    m = Qwen2ForCausalLM(Qwen2Config(hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
+                                     num_attention_heads=heads, num_key_value_heads=kv, vocab_size=256,
+                                     attn_implementation="sdpa", use_sliding_window=False))
+    params = {(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes()) for p in m.parameters()}
+    seen = {}
+
+    def keep(t):
+        s = t.untyped_storage()
+        seen[(s.data_ptr(), s.nbytes())] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        m.model(input_ids=torch.randint(0, 256, (1, seq)))
+    return sum(v for k, v in seen.items() if k not in params)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(256, 1376, 8, 1), (384, 1024, 6, 2)])
+def test_activation_coefficients_are_what_autograd_saves(dtype, shape):
+    """a(dtype) per token and layer of memopd.plan (32h + 8kv + 16i fp32; 30h + 4kv + 8i under bf16 autocast,
+    which also caches a bf16 copy of each matmul weight: 2 B x P_layer) equals the saved tensors of
+    transformers' Qwen2, separated by differencing layers (1 vs 3) and sequence lengths (128 vs 384)."""
+    from memopd.plan import Spec, act_per_token
+
+    h, i, heads, kv = shape
+    bf16 = dtype == "bfloat16"
+    per_layer = {seq: (_saved_bytes(h, i, heads, kv, 3, seq, bf16) - _saved_bytes(h, i, heads, kv, 1, seq, bf16)) / 2
+                 for seq in (128, 384)}
+    measured = (per_layer[384] - per_layer[128]) / 256  # per token: the per-layer constant (weight casts) cancels
+    spec = Spec("m", h, 1, heads, kv, i, 256)
+    assert measured == pytest.approx(act_per_token(spec, dtype), rel=0.02)
+    casts = per_layer[128] - 128 * measured
+    assert casts == pytest.approx(2 * spec.layer_params if bf16 else 0, abs=0.02 * per_layer[128])
+
+
+def measure(kind: str, role: str = "student") -> dict:
+    """Peak RSS (ru_maxrss) and the RSS before the model exists (imports done) of one tiny step of the
+    embedded default: an SFT step of `role` on a full pack of sft.seq_len tokens, or a memopd PPO update
+    (train.batch_tasks episodes as long as the plan's bound: q + 6 calls of memory + observation + response)."""
+    import random
+    import resource
+
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from memopd.models import tiny_config
+    from memopd.packing import pack
+    from memopd.sft.loss import target_loss
+    from memopd.synthetic import random_episode
+    from memopd.train.ppo import PPOConfig, ValueModel, ppo_update
+
+    cfg = _cfg(EMBEDDED)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+
+    class Tok:  # what tiny_config reads of a tokenizer
+        eos_token_id, pad_token_id = 1, 0
+
+        def __len__(self):
+            return cfg["tokenizer"]["vocab_size"]
+
+    def lm(r):
+        return Qwen2ForCausalLM(tiny_config(cfg["models"][r], Tok()))
+
+    base = int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+    rng = random.Random(0)
+    pool = list(range(2, cfg["tokenizer"]["vocab_size"]))
+    if kind == "sft":
+        model = lm(role).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        n = cfg["sft"]["seq_len"]
+        examples = [random_episode(rng, pool, "full_retention", 1, 64, 64, 128, task_id=f"x{k}") for k in range(n // 256)]
+        s, k = target_loss(model, examples, "packed", n, cfg["sft"]["backend"])
+        (s / k).backward()
+        opt.step()
+    else:
+        t, a, p, pp = cfg["train"], cfg["agent"], cfg["plan"], cfg["train"]["ppo"]
+        policy, teacher = lm("student").eval(), lm("teacher").eval().requires_grad_(False)
+        ref, critic = copy.deepcopy(policy).requires_grad_(False), ValueModel(copy.deepcopy(policy))
+        episodes = [random_episode(rng, pool, "full_retention", a["turns"]["q2"], p["prompt_tokens"],
+                                   a["max_observation_tokens"] + p["observation_overhead"],
+                                   cfg["rollout"]["max_new_tokens"], task_id=f"e{k}") for k in range(t["batch_tasks"])]
+        for e in episodes:
+            e.reward = rng.random()
+        ppo_update(episodes, policy, ref, critic, teacher, torch.optim.AdamW(policy.parameters()),
+                   torch.optim.AdamW(critic.parameters()),
+                   PPOConfig(method="memopd", opd_coef=pp["opd_coef"], minibatch_episodes=pp["minibatch_episodes"],
+                             backend=pp["backend"], chunk_size=pp["chunk_size"], rce_sample=pp["rce_sample"],
+                             dtype=t["dtype"]))
+        n = len(pack(episodes[0]))
+    return {"tokens": n, "base": base, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job,args", [("sft_train[student]", ["sft", "student"]),
+                                      ("sft_train[teacher]", ["sft", "teacher"]), ("train", ["train"])])
+def test_tiny_estimates_match_measured_peaks(job, args):
+    """The plan's in-RAM peak of a tiny job (its largest phase: models, optimizer state, activations, attention
+    scores, loss chunks) against the peak RSS of the same step measured in a fresh process, less the RSS of
+    the imports. Measured here (2 cores, torch 2.13 CPU): 0.79x (SFT student), 0.87-0.90x (SFT teacher), 0.91-0.94x
+    (PPO update) of the estimate; asserted: within [0.5x, 1.5x] (the plan is a bound from the limits, so it
+    may over-estimate; it must not under-estimate by more than half). RSS peaks vary between runs (one
+    run in ~12 of the SFT student peaked at 1.98x, and under load more often), so a run outside the band is
+    repeated up to twice and the lowest ratio counts."""
+    from memopd.plan import plan
+
+    estimate = {j.name: j for j in plan(_cfg(EMBEDDED))}[job].peak()[1]
+    runs = []
+    for _ in range(3):  # another run only if one is off: one run in ~12 peaked ~300 MB higher (allocator)
+        r = subprocess.run([sys.executable, __file__, *args], check=False, capture_output=True, text=True, cwd=REPO,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        m = json.loads(r.stdout.strip().splitlines()[-1])
+        runs.append((m["peak"] - m["base"]) / estimate)
+        print(f"{job}: measured {(m['peak'] - m['base']) / 1e6:.0f} MB, estimate {estimate / 1e6:.0f} MB, {runs[-1]:.2f}x")
+        if 0.5 <= runs[-1] <= 1.5:
+            break
+    assert 0.5 <= min(runs) <= 1.5, (job, runs, estimate)
+
+
+def test_embedded_default_fits_its_resources():
+    from memopd.plan import failures, plan
+
+    cfg = _cfg(EMBEDDED)
+    assert failures(cfg, plan(cfg)) == []
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="finding: config/paper.yaml does not fit 80 GB GPUs nor its mem_mb "
+                   "(PAPER_MISFITS; test_paper_plan_names_what_does_not_fit gives the reasons)")
+def test_paper_plan_fits_on_80gb_gpus():
+    from memopd.plan import failures, plan
+
+    cfg = _cfg()
+    assert failures(cfg, [j for j in plan(cfg) if j.rule not in NOT_IN_ALL]) == []
+
+
+def test_paper_plan_names_what_does_not_fit():
+    """The honest verdict on config/paper.yaml, and why (worst case the limits allow: 6 calls of up to 1,024
+    sampled tokens, packed episodes of up to 16,256 tokens): training keeps the activations of policy and critic
+    for a whole packed episode (176 GB per GPU without checkpointing); DDP SFT keeps a full fp32 AdamW replica
+    per GPU (7B: 122 GB) and the activations of a 12,288-token pack; RCE and the audits hold full-vocabulary
+    logits of many action tokens at once, with float64 copies; every job that loads the dense index holds an
+    82 GB faiss copy + passages in RAM (4 per training job)."""
+    bad = _misfits(_cfg())
+    assert set(bad) - NOT_IN_ALL == PAPER_MISFITS, bad
+    assert "activations (policy + critic)" in " ".join(bad["train"])
+    assert "model (AdamW) 121.8 GB" in " ".join(bad["sft_train[teacher]"])
+    assert "retriever" in " ".join(bad["eval[teacher]"])
+
+
+def test_the_proposed_changes_make_training_sft_and_index_jobs_fit():
+    from memopd.plan import failures, plan
+
+    w = _fixed(_cfg())
+    rules = {"train", "sft_train", "retrieval_index", "retrieval_recall", "eval", "audit_episodes",
+             "audit_rule_episodes", "sft_trajectories", "rce_smoke", "model_init", "sft_eval"}
+    assert failures(w, plan(w, rules)) == []
+
+
+@pytest.mark.parametrize("change,needs", [
+    ({"plan": {"gpu_memory_gb": 24}}, "train: needs 67.5 GB per GPU (scoring phase) > 24 GB"),
+    ({"train": {"shard": "none"}}, "largest: policy + critic (AdamW) 98.8 GB"),
+])
+def test_an_undersized_config_is_refused_naming_the_job(change, needs):
+    """Training that fits 80 GB GPUs (with the proposed changes) is refused on 24 GB GPUs, or without FSDP
+    (fp32 AdamW of a 3B policy + 3B critic on every GPU)."""
+    from memopd.plan import plan
+
+    w = _fixed(_cfg())
+    for section, values in change.items():
+        w[section].update(values)
+    bad = {j.name: j.failures() for j in plan(w, {"train"})}
+    assert bad["train"] and bad["train"][0].startswith("train: needs "), bad
+    assert needs in bad["train"][0], bad
+
+
+def test_cli_refuses_with_the_job_and_number(tmp_path):
+    out = tmp_path / "plan.csv"
+    r = subprocess.run([sys.executable, "-m", "memopd.cli", "plan", "--config", str(PAPER), "--rules", "train",
+                        "--out", str(out)], check=False, capture_output=True, text=True, cwd=REPO)
+    assert r.returncode != 0
+    assert "train: needs 222.8 GB per GPU (update phase) > 80 GB" in r.stderr, r.stderr
+    assert out.exists() and out.with_suffix(".md").exists()  # the plan is written before it refuses
+    ok = subprocess.run([sys.executable, "-m", "memopd.cli", "plan", "--config", str(PAPER), "--rules", "rce_smoke"],
+                        check=False, capture_output=True, text=True, cwd=REPO)
+    assert ok.returncode == 0 and "all 1 modelled jobs fit" in ok.stdout, ok.stderr
+
+
+@pytest.mark.slow
+def test_workflow_refuses_before_any_job_and_dry_runs_still_work(tmp_path):
+    """onstart (not in dry runs): a paper-scale run whose DAG holds a job that does not fit stops before
+    any job starts, naming it; the dry run lists the plan job; the plan target alone builds."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from workflow_helpers import snakemake, workflow_copy
+
+    wd = workflow_copy(tmp_path / "wf")
+    dry = snakemake(wd, "--configfile", "config/paper.yaml", "-n", "all")
+    assert "rule plan:" in dry.stdout + dry.stderr
+    r = snakemake(wd, "--configfile", "config/paper.yaml", "-c", "1", "results/tables/retrieval_recall.csv",
+                  check=False)
+    assert r.returncode != 0 and "retrieval_index: needs 229.3 GB host memory" in r.stdout + r.stderr, r.stderr[-3000:]
+    assert not (wd / "results").exists() or not any((wd / "results").rglob("*.parquet"))
+    snakemake(wd, "--configfile", "config/paper.yaml", "-c", "1", "results/plan/plan.md")
+    assert "| train | 4 | update |" in (wd / "results/plan/plan.md").read_text()
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(*sys.argv[1:])))
