@@ -111,11 +111,10 @@ def test_activation_coefficients_are_what_autograd_saves(dtype, shape):
 
 
 def measure(kind: str, role: str = "student") -> dict:
-    """Peak RSS (ru_maxrss) and the RSS before the model exists (imports done) of one tiny step of the
+    """Peak RSS (VmHWM) and the RSS before the model exists (imports done) of one tiny step of the
     embedded default: an SFT step of `role` on a full pack of sft.seq_len tokens, or a memopd PPO update
     (train.batch_tasks episodes as long as the plan's bound: q + 6 calls of memory + observation + response)."""
     import random
-    import resource
 
     import torch
     from transformers import Qwen2ForCausalLM
@@ -165,7 +164,10 @@ def measure(kind: str, role: str = "student") -> dict:
                              backend=pp["backend"], chunk_size=pp["chunk_size"], rce_sample=pp["rce_sample"],
                              dtype=t["dtype"]))
         n = len(pack(episodes[0]))
-    return {"tokens": n, "base": base, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    # VmHWM, the peak RSS of this process's own memory: ru_maxrss would carry the parent's peak over the
+    # fork + exec (Linux keeps the larger of the two), so under a full pytest run (~1.6 GB) it measured that
+    hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
+    return {"tokens": n, "base": base, "peak": int(hwm.split()[1]) * 1024}
 
 
 @pytest.mark.slow
