@@ -7,6 +7,7 @@ min-max over seeds as a band. `ppo` never scores the teacher, so it has no OPD c
 from __future__ import annotations
 
 import json
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -80,7 +81,9 @@ def curves_figure(runs: dict[str, dict[int, list[dict]]], path: str | Path, titl
         ax.legend(fontsize=8)
     for ax in axes[-1]:
         ax.set_xlabel("training step")
-    fig.suptitle(title or "Training curves: mean over seeds, band = min-max over seeds", fontsize=11)
+    # wrapped: a title naming every method and seed is wider than the figure and was cut at both edges
+    fig.suptitle(textwrap.fill(title or "Training curves: mean over seeds, band = min-max over seeds", 120),
+                 fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
