@@ -280,3 +280,21 @@ def test_tied_weights_checkpoint_and_export_round_trip(tmp_path):
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
     assert torch.equal(back.lm_head.weight, policy.lm_head.weight)
+
+
+def test_the_opd_kl_runs_over_the_tokenizers_ids(setup, tmp_path, monkeypatch):
+    """train_run hands the update len(tokenizer) as the OPD vocabulary (heads padded past the tokenizer,
+    as Qwen2.5's are, must not enter the KL); the update is stopped once it has seen its config."""
+    import memopd.train.loop as loop
+    from agent_support import tokenizer as tiny_tokenizer
+
+    seen = []
+
+    def stop(episodes, policy, ref, critic, teacher, a_opt, c_opt, cfg, ids=None):
+        seen.append(cfg.vocab)
+        raise RuntimeError("stop: config seen")
+
+    monkeypatch.setattr(loop, "ppo_update", stop)
+    with pytest.raises(RuntimeError, match="stop"):
+        _run(setup, tmp_path / "run")
+    assert seen == [len(tiny_tokenizer())]
