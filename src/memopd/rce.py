@@ -51,9 +51,6 @@ RCE_TOLERANCES = {
     "float16": {"dlogp": 2e-2, "dlogit": 6.25e-2},
     "bfloat16": {"dlogp": 0.5, "dlogit": 1.0},
 }
-# The |d log p| column alone, for callers that score sampled tokens only (e.g. alignment.state_rows'
-# at_floor). RCE pass/fail reads `tolerances` (both quantities).
-TOLERANCES = {dtype: tol["dlogp"] for dtype, tol in RCE_TOLERANCES.items()}
 
 
 class RCEError(AssertionError):

@@ -12,7 +12,7 @@ import torch
 
 from memopd.attention import independent_logits, packed_logits
 from memopd.packing import CONTEXT, corrupt, flatten_persistent, pack
-from memopd.rce import TOLERANCES
+from memopd.rce import tolerances
 from memopd.records import Episode
 
 STATES = {
@@ -72,7 +72,7 @@ def state_rows(model, episodes: list[Episode], states: list[str], clip: float = 
             "mean_abs_dlogp": a.mean().item(),
             "top1_changes": top1[state],
             "false_clip_rate": ((ratio < 1 - clip) | (ratio > 1 + clip)).double().mean().item(),
-            "at_floor": a.max().item() <= TOLERANCES[dtype],
+            "at_floor": a.max().item() <= tolerances(dtype)["dlogp"],
             "trajectories": len(episodes),
             "invocations": sum(len(ep.invocations) for ep in episodes),
             "action_tokens": int(a.numel()),
