@@ -14,7 +14,6 @@ from functools import cache
 from pathlib import Path
 
 import torch
-import yaml
 
 from memopd.agent.backends import Generation
 from memopd.agent.protocol import Task, encode
@@ -36,8 +35,18 @@ def tokenizer():
     return train_tokenizer(texts, 2048, tempfile.mkdtemp(prefix="memopd_tok_"))
 
 
+# Tiny Qwen2-architecture models for unit tests (random init: a random model is the point there); the
+# embedded default's student and teacher are the pretrained SmolLM2 (config models).
+TINY_MODELS = {
+    "student": {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "max_position_embeddings": 4096},
+    "teacher": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6, "num_attention_heads": 8,
+                "num_key_value_heads": 4, "max_position_embeddings": 4096},
+}
+
+
 def student_arch() -> dict:
-    return yaml.safe_load((ROOT / "config/config.yaml").read_text())["models"]["student"]
+    return dict(TINY_MODELS["student"])
 
 
 def random_student(seed: int = 0):

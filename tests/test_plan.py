@@ -31,6 +31,15 @@ def _cfg(path=PAPER) -> dict:
     return load_config([str(path)])
 
 
+def _tiny_cfg() -> dict:
+    """The embedded default with the unit tests' tiny models as student and teacher (their peaks are measured here)."""
+    from agent_support import TINY_MODELS
+
+    cfg = _cfg(EMBEDDED)
+    cfg["models"].update({role: dict(arch) for role, arch in TINY_MODELS.items()})
+    return cfg
+
+
 def _misfits(cfg, rules=None) -> dict[str, list[str]]:
     from memopd.plan import plan
 
@@ -125,7 +134,7 @@ def measure(kind: str, role: str = "student") -> dict:
     from memopd.synthetic import random_episode
     from memopd.train.ppo import PPOConfig, ValueModel, ppo_update
 
-    cfg = _cfg(EMBEDDED)
+    cfg = _tiny_cfg()
     torch.manual_seed(0)
     torch.set_num_threads(1)
 
@@ -183,7 +192,7 @@ def test_tiny_estimates_match_measured_peaks(job, args):
     repeated up to twice and the lowest ratio counts."""
     from memopd.plan import plan
 
-    estimate = {j.name: j for j in plan(_cfg(EMBEDDED))}[job].peak()[1]
+    estimate = {j.name: j for j in plan(_tiny_cfg())}[job].peak()[1]
     runs = []
     for _ in range(3):  # another run only if one is off: one run in ~12 peaked ~300 MB higher (allocator)
         r = subprocess.run([sys.executable, __file__, *args], check=False, capture_output=True, text=True, cwd=REPO,

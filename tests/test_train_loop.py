@@ -298,3 +298,83 @@ def test_the_opd_kl_runs_over_the_tokenizers_ids(setup, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="stop"):
         _run(setup, tmp_path / "run")
     assert seen == [len(tiny_tokenizer())]
+
+
+def test_a_smaller_critic_keeps_the_students_first_layers(setup, tmp_path, monkeypatch):
+    """train.critic_layers = N: the critic is the student's first N decoder layers + final norm + value head.
+    Independent check: a freshly built N-layer model loaded with those weights gives the same hidden states.
+    And train_run builds its critic that way (the update is stopped once it has seen the critic)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import memopd.train.loop as loop
+    from memopd.train.ppo import ValueModel
+
+    conf = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                tie_word_embeddings=True)
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, **conf))
+    critic = ValueModel(lm, layers=2)
+    small = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **conf))
+    missing, unexpected = small.load_state_dict(
+        {k: v for k, v in lm.state_dict().items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < 2},
+        strict=False)
+    assert not unexpected and all(k.startswith("lm_head") for k in missing)
+    ids = torch.tensor([[3, 5, 7, 11, 13, 17]])
+    torch.testing.assert_close(critic.lm.model(input_ids=ids).last_hidden_state,
+                               small.model(input_ids=ids).last_hidden_state, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="critic_layers 5"):
+        ValueModel(LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, **conf)), layers=5)
+
+    seen = []
+
+    def stop(episodes, policy, ref, critic, teacher, a_opt, c_opt, cfg, ids=None):
+        seen.append((len(policy.model.layers), len(critic.lm.model.layers)))
+        raise RuntimeError("stop: critic seen")
+
+    monkeypatch.setattr(loop, "ppo_update", stop)
+    d, cfg = setup
+    cfg = {**cfg, "train": {**cfg["train"], "critic_layers": 1}}
+    with pytest.raises(RuntimeError, match="stop"):
+        train_run(cfg, "ppo", 0, d / "student", None, d / "q2_train.parquet", d / "index", tmp_path / "run",
+                  log=lambda *a: None)
+    assert seen[0][1] == 1 and seen[0][0] > 1
+
+
+def test_each_method_is_compared_with_its_sft_student_task_by_task(tmp_path):
+    """vs_student_rows: per task, the method's score averaged over seeds minus the student's; the mean and the
+    interval against a plain loop; a constant gain has a point interval outside the noise, a zero-mean one not."""
+    import csv
+    import random as rnd
+
+    from memopd.report.results import vs_student_rows
+
+    def write(model, scores):
+        (tmp_path / model).mkdir(parents=True, exist_ok=True)
+        with open(tmp_path / model / "q2_test.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, ["task_id", "em", "f1"])
+            w.writeheader()
+            for t, v in scores.items():
+                w.writerow({"task_id": t, "em": float(v > 0.5), "f1": v})
+
+    rng = rnd.Random(0)
+    tasks = [f"t{i}" for i in range(40)]
+    student = {t: rng.random() for t in tasks}
+    write("student_sft", student)
+    write("ppo_seed0", {t: min(1.0, v + 0.1) for t, v in student.items()})
+    write("ppo_seed1", {t: min(1.0, v + 0.3) for t, v in student.items()})
+    noise = {t: (0.05 if i % 2 else -0.05) for i, t in enumerate(tasks)}
+    write("memopd_seed0", {t: student[t] + noise[t] for t in tasks})
+    write("memopd_seed1", {t: student[t] + noise[t] for t in tasks})
+    rows = {(r["method"], r["metric"]): r for r in vs_student_rows(tmp_path, "student_sft", ["ppo", "memopd"], [0, 1],
+                                                                   {"q2_test": "Q2"})}
+    expect = sum((min(1.0, student[t] + 0.1) + min(1.0, student[t] + 0.3)) / 2 - student[t] for t in tasks) / len(tasks)
+    r = rows[("ppo", "f1")]
+    assert r["diff"] == pytest.approx(expect) and r["student"] == pytest.approx(sum(student.values()) / 40)
+    assert 0 < r["ci_low"] <= r["diff"] <= r["ci_high"] and r["noise"].startswith("outside")
+    m = rows[("memopd", "f1")]
+    assert m["diff"] == pytest.approx(0.0, abs=1e-12) and m["ci_low"] < 0 < m["ci_high"] and m["noise"].startswith("inside")
+    assert rows[("ppo", "f1")]["tasks"] == 40 and rows[("ppo", "f1")]["seeds"] == 2
+
+    write("memopd_seed1", {t: student[t] for t in tasks[:-1]})  # a task missing: refused, naming the file
+    with pytest.raises(ValueError, match="memopd_seed1/q2_test.csv"):
+        vs_student_rows(tmp_path, "student_sft", ["memopd"], [0, 1], {"q2_test": "Q2"})

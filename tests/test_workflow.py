@@ -29,7 +29,7 @@ def _bad_config(tmp_path, mutate):
     (lambda c: c["rce"].__setitem__("dtype", "float8"), "float8"),
     (lambda c: c["rce"].__setitem__("backends", ["sdpa", "magic"]), "magic"),
     (lambda c: c.__setitem__("unknown_key", 1), "unknown_key"),
-    (lambda c: c["models"]["student"].__setitem__("hidden_size", -5), "hidden_size"),
+    (lambda c: c["models"].__setitem__("student", {"hidden_size": -5}), "hidden_size"),
     (lambda c: c["train"]["matched_control"].__setitem__("benchmark", "q4_test"), "q4_test"),  # not in eval.benchmarks
     (lambda c: c["train"]["matched_control"].__setitem__("methods", ["ppo"]), "methods"),  # fixed, not configurable
     (lambda c: c["train"]["matched_control"].__setitem__("seeds", [1, 1]), "matched_control"),

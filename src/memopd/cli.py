@@ -272,7 +272,7 @@ def cmd_train(args, cfg):
 def cmd_report_results(args, cfg):
     """Tables 1-2 (multiobjective, wikirag) and the F1-vs-horizon figure; the matched control is its own
     command (report matched-control)."""
-    from memopd.report.results import METRICS, budget_note, horizon_figure, load_scores, table_rows
+    from memopd.report.results import METRICS, budget_note, horizon_figure, load_scores, table_rows, vs_student_rows
     from memopd.report.tables import write_table
 
     methods, seeds = cfg["methods"], cfg["seeds"]
@@ -290,6 +290,14 @@ def cmd_report_results(args, cfg):
         write_table(table_rows(scores, methods, wiki, METRICS["wikirag"]), Path(args.out_dir) / "wikirag.csv",
                     f"{caption.format('Wiki-RAG')}; {budget_note(scores, wiki)}")
     horizon_figure(multi, args.figure)
+    rows = vs_student_rows(args.eval_dir, cfg["student"], methods, seeds, horizons)
+    write_table(rows, Path(args.out_dir) / "vs_student.csv",
+                f"Each method against the SFT student it started from ({cfg['student']}), per task: method (mean "
+                f"over seeds {seeds}) - student, mean difference with a 95% paired bootstrap CI over tasks; "
+                f"{cfg['steps']} steps x {cfg['batch_tasks']} tasks; {budget_note(scores, horizons)}",
+                notes=[f"{r['method']} on {r['horizon']}, {r['metric']}: {r['mean']:.3f} vs the student's {r['student']:.3f}, "
+                       f"difference {r['diff']:+.3f} (95% CI {r['ci_low']:+.3f} to {r['ci_high']:+.3f}, {r['tasks']} tasks): "
+                       f"{r['noise']}" for r in rows])
 
 
 def cmd_report_matched_control(args, cfg):

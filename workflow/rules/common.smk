@@ -27,7 +27,7 @@ MEMOPD = f"{PYTHON} -m memopd.cli"
 # `--software-deployment-method conda`. ENV_GPU marks the steps that run on GPUs at paper scale (vLLM,
 # CUDA torch); on the embedded default they run on CPU, so they get the CPU environment.
 ENV_CPU = "../../envs/cpu.yaml"
-ENV_GPU = "../../envs/gpu.yaml" if config["scale"] == "paper" else ENV_CPU
+ENV_GPU = "../../envs/gpu.yaml" if config["scale"] in ("small", "paper") else ENV_CPU
 
 # `snakemake --report results/report.html`: every table and figure is an output marked report(...), in a
 # category per paper section, with a caption template in workflow/report/ (reST + Jinja; see there).
@@ -150,7 +150,10 @@ def check_plan():
 
 
 def sft_init(wildcards):
-    """SFT starts from the role's LM pre-training when sft.pretrain gives it a budget, else from its init."""
+    """SFT starts from the model sft.{role}.init names (e.g. the teacher from student_sft), else from the
+    role's LM pre-training when sft.pretrain gives it a budget, else from its init."""
+    if config["sft"][wildcards.role].get("init"):
+        return f"results/models/{config['sft'][wildcards.role]['init']}/model.safetensors"
     stage = "lm" if (config["sft"].get("pretrain") or {}).get(wildcards.role) else "init"
     return f"results/models/{wildcards.role}_{stage}/model.safetensors"
 

@@ -9,17 +9,20 @@ EVAL_BENCHMARKS = config["eval"]["benchmarks"]
 
 
 rule eval:
-    # one job per model over every benchmark: the model, tokenizer and index load once
+    # one job per (model, benchmark): a target asks only for the evaluations it reads (the trained runs are
+    # evaluated on train.horizons, the SFT models on eval.benchmarks)
     input:
         AGENT_SRC,
         model="results/models/{model}/model.safetensors",
-        benchmarks=expand("results/benchmarks/{benchmark}.parquet", benchmark=EVAL_BENCHMARKS),
+        benchmark="results/benchmarks/{benchmark}.parquet",
         index=RETRIEVAL_INDEX,
         tracking=TRACKING_STORE,
     output:
-        json=expand("results/eval/{{model}}/{benchmark}.json", benchmark=EVAL_BENCHMARKS),
-        csv=expand("results/eval/{{model}}/{benchmark}.csv", benchmark=EVAL_BENCHMARKS),
-        episodes=expand("results/eval/{{model}}/{benchmark}.episodes.parquet", benchmark=EVAL_BENCHMARKS),
+        json="results/eval/{model}/{benchmark}.json",
+        csv="results/eval/{model}/{benchmark}.csv",
+        episodes="results/eval/{model}/{benchmark}.episodes.parquet",
+    wildcard_constraints:
+        benchmark="|".join(EVAL_BENCHMARKS),
     params:
         memopd=MEMOPD,
         tracking=cfg_json("tracking"),
@@ -28,9 +31,9 @@ rule eval:
         model=lambda w, input: os.path.dirname(input.model),
         outdir=lambda w: f"results/eval/{w.model}",
     log:
-        f"{LOGS}/eval_{{model}}.log",
+        f"{LOGS}/eval_{{model}}_{{benchmark}}.log",
     benchmark:
-        f"{LOGS}/bench/eval_{{model}}.tsv"
+        f"{LOGS}/bench/eval_{{model}}_{{benchmark}}.tsv"
     threads: job_threads("eval")
     resources:
         **job_resources("eval"),
@@ -38,7 +41,7 @@ rule eval:
         ENV_GPU
     shell:
         "{params.memopd} eval --cfg {params.cfg:q} --seed {params.seed} --model {params.model} "
-        "--benchmark {input.benchmarks} --index {input.index} --out-dir {params.outdir} "
+        "--benchmark {input.benchmark} --index {input.index} --out-dir {params.outdir} "
         "--tracking {params.tracking:q} > {log} 2>&1"
 
 

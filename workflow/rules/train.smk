@@ -53,7 +53,8 @@ rule train:
 rule results_tables:
     input:
         src("report/results", "report/tables", "cli"),
-        evals=expand("results/eval/{model}/{benchmark}.json", model=TRAINED, benchmark=list(TRAIN["horizons"])),
+        evals=expand("results/eval/{model}/{benchmark}.json", model=TRAINED + [TRAIN["student"]],
+                     benchmark=list(TRAIN["horizons"])),
     output:
         multi=report("results/tables/multiobjective.csv", caption=caption("multiobjective"), category=REPORT_TRAINING,
                      subcategory="Tables 1-2"),
@@ -61,6 +62,9 @@ rule results_tables:
                     subcategory="Tables 1-2"),
         multi_md="results/tables/multiobjective.md",  # written beside each CSV: caption + table
         wiki_md="results/tables/wikirag.md",
+        vs_student=report("results/tables/vs_student.csv", caption=caption("vs_student"), category=REPORT_TRAINING,
+                          subcategory="Tables 1-2"),
+        vs_student_md="results/tables/vs_student.md",
         figure=report("results/figures/f1_vs_horizon.png", caption=caption("f1_vs_horizon"), category=REPORT_TRAINING,
                       subcategory="Tables 1-2"),
     params:

@@ -169,6 +169,49 @@ def _noise(diff_ci: tuple[float, float], seeds: int) -> str:
     return "inside the noise (CI contains 0)" if diff_ci[0] <= 0 <= diff_ci[1] else "outside the noise (CI excludes 0)"
 
 
+VS_STUDENT_COLUMNS = ["method", "horizon", "metric", "student", "mean", "diff", "ci_low", "ci_high", "tasks", "seeds",
+                      "noise"]
+
+
+def task_scores(path: str | Path, metric: str) -> dict[str, float]:
+    """{task_id: metric} from an evaluation's per-task CSV (results/eval/{model}/{benchmark}.csv)."""
+    import csv
+
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if rows and metric not in rows[0]:
+        raise ValueError(f"{path}: no column {metric!r}")
+    return {r["task_id"]: float(r[metric]) for r in rows}
+
+
+def vs_student_rows(eval_dir: str | Path, student: str, methods: list[str], seeds: list[int],
+                    horizons: dict[str, str], metrics: tuple[str, ...] = ("em", "f1")) -> list[dict]:
+    """Each trained method against the SFT student it started from, task by task: per task the method's score
+    (mean over seeds) minus the student's (greedy, one evaluation), the mean difference and its 95% bootstrap
+    interval resampling tasks (pairs kept together: the same task for both), and whether it excludes 0.
+    The interval is over tasks, so it is the evaluation's noise at these seeds, not the seed-to-seed spread."""
+    rows = []
+    for bench, horizon in horizons.items():
+        for metric in metrics:
+            base = task_scores(Path(eval_dir) / student / f"{bench}.csv", metric)
+            for m in methods:
+                per_seed = [task_scores(Path(eval_dir) / f"{m}_seed{s}" / f"{bench}.csv", metric) for s in seeds]
+                for s, scores in zip(seeds, per_seed):
+                    if set(scores) != set(base):
+                        raise ValueError(f"{eval_dir}/{m}_seed{s}/{bench}.csv: tasks differ from the student's "
+                                         f"({len(scores)} vs {len(base)}): evaluate both on the same tasks")
+                ids = sorted(base)
+                other = [statistics.fmean(sc[t] for sc in per_seed) for t in ids]
+                pb = paired_bootstrap([base[t] for t in ids], other)
+                rows.append({"method": m, "horizon": horizon, "metric": metric,
+                             "student": statistics.fmean(base.values()), "mean": statistics.fmean(other),
+                             "diff": pb["diff"], "ci_low": pb["diff_ci"][0], "ci_high": pb["diff_ci"][1],
+                             "tasks": len(ids), "seeds": len(seeds),
+                             "noise": ("inside the noise (CI contains 0)" if pb["diff_ci"][0] <= 0 <= pb["diff_ci"][1]
+                                       else "outside the noise (CI excludes 0)")})
+    return rows
+
+
 MATCHED_COLUMNS = ["row", "metric", "mean", "std", "ci_low", "ci_high", "seeds", "change_pct", "change_ci_low",
                    "change_ci_high", "paired_diff", "paired_ci_low", "paired_ci_high", "paper_change_pct", "noise"]
 

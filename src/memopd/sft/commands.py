@@ -136,7 +136,8 @@ def cmd_sft_train(args, cfg):
                         "benchmark": "sft/" + Path(args.examples).stem}) as run:
         if rank == 0:
             run.log_input(args.examples, "train", name="sft/" + Path(args.examples).stem)
-        summary = train(model, train_ex, heldout, tcfg, args.seed, out / "checkpoint", log=run.log_metrics,
+        seed = args.seed if tcfg.seed is None else tcfg.seed  # the held-out split above keeps args.seed
+        summary = train(model, train_ex, heldout, tcfg, seed, out / "checkpoint", log=run.log_metrics,
                         identity=identity)
         if rank == 0:
             model.save_pretrained(out, safe_serialization=True)
@@ -144,7 +145,7 @@ def cmd_sft_train(args, cfg):
             info_path = Path(args.init) / "memopd_model.json"
             init_info = json.loads(info_path.read_text()) if info_path.exists() else {}
             info = {**init_info, "params": sum(p.numel() for p in model.parameters()), "init": args.init,
-                    args.stage: {"role": args.role, **summary, "config": asdict(tcfg), "seed": args.seed,
+                    args.stage: {"role": args.role, **summary, "config": asdict(tcfg), "seed": seed,
                                  "examples": args.examples}}
             _write_json(out / "memopd_model.json", info)
             run.log_dict(summary, "summary.json")

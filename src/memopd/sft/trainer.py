@@ -20,7 +20,7 @@ import math
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +36,8 @@ from memopd.sft.loss import TargetLoss, target_loss
 
 ROLES = ("student", "teacher")
 NOT_TRAINER_KEYS = ("min_reward", "pretrain")  # keys of the `sft` config section used by other steps
+# keys of a role's section read by the pipeline, not the trainer: `init` names the model the role starts from
+ROLE_PIPELINE_KEYS = ("init",)
 STAGES = ("sft", "pretrain")
 
 
@@ -77,6 +79,7 @@ class TrainConfig:
     log_every: int  # optimizer steps between logged training metrics
     steps: int | None = None  # the budget: exactly one of steps / epochs
     epochs: float | None = None
+    seed: int | None = None  # data order and RNG of this stage (None: the run's seed; the held-out split never changes)
 
     @classmethod
     def from_section(cls, section: dict, role: str | None = None) -> "TrainConfig":
@@ -85,11 +88,11 @@ class TrainConfig:
         if role is not None:
             if role not in section:
                 raise ValueError(f"sft config has no section for role {role!r}")
-            merged.update(section[role])
+            merged.update({k: v for k, v in section[role].items() if k not in ROLE_PIPELINE_KEYS})
         names = {f.name for f in fields(cls)}
         if unknown := set(merged) - names:
             raise ValueError(f"unknown SFT config keys {sorted(unknown)}")
-        required = {f.name for f in fields(cls) if f.name not in ("steps", "epochs")}
+        required = {f.name for f in fields(cls) if f.default is MISSING}
         if missing := required - set(merged):
             raise ValueError(f"SFT config lacks {sorted(missing)}")
         merged["betas"] = tuple(merged["betas"])

@@ -237,7 +237,7 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     # lr 1e-6 steps away); the reference is the policy's frozen copy, so it is scored exactly like pi_old
     policy = load_model(student_dir, dtype="float32", device=str(device))
     ref = copy.deepcopy(policy).requires_grad_(False)  # frozen at the SFT initialisation
-    critic = ValueModel(copy.deepcopy(policy))
+    critic = ValueModel(copy.deepcopy(policy), layers=tcfg.get("critic_layers"))  # the policy's first layers
     # the frozen teacher stays in train.dtype: inference only (a target distribution, never in a ratio);
     # `ppo` never scores it, so it needs none (its jobs can start before the teacher's SFT ends)
     teacher = (load_model(teacher_dir, dtype=dtype, device=str(device)).requires_grad_(False)

@@ -54,8 +54,18 @@ class ValueModel(torch.nn.Module):
     """Critic: a causal-LM backbone (initialised from the SFT student) + a scalar head. The value of
     action token j is read at the position that predicts it (the state before the token)."""
 
-    def __init__(self, lm):
+    def __init__(self, lm, layers: int | None = None):
+        """`layers`: keep only the first `layers` decoder layers of `lm` (a cheaper critic than the policy;
+        same tokenizer and embeddings, the final norm kept); None keeps them all."""
         super().__init__()
+        if layers is not None:
+            n = len(lm.model.layers)
+            if not 1 <= layers <= n:
+                raise ValueError(f"train.critic_layers {layers}: the student has {n} decoder layers")
+            lm.model.layers = lm.model.layers[:layers]
+            lm.config.num_hidden_layers = layers  # caches and masks are sized from the config
+            if getattr(lm.config, "layer_types", None):
+                lm.config.layer_types = lm.config.layer_types[:layers]
         self.lm = lm
         self.head = torch.nn.Linear(lm.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
