@@ -378,3 +378,31 @@ def test_each_method_is_compared_with_its_sft_student_task_by_task(tmp_path):
     write("memopd_seed1", {t: student[t] for t in tasks[:-1]})  # a task missing: refused, naming the file
     with pytest.raises(ValueError, match="memopd_seed1/q2_test.csv"):
         vs_student_rows(tmp_path, "student_sft", ["memopd"], [0, 1], {"q2_test": "Q2"})
+
+
+def test_training_checkpoints_activations_when_configured(setup, tmp_path, monkeypatch):
+    """train.activation_checkpointing: policy and critic recompute their layers in the backward (the update's
+    numbers are the same: tests/test_checkpointing.py); refused with prefix_shared before the first rollout."""
+    import memopd.train.loop as loop
+    from memopd.train.parallel import is_checkpointed
+
+    seen = []
+
+    def stop(episodes, policy, ref, critic, teacher, a_opt, c_opt, cfg, ids=None):
+        seen.append((is_checkpointed(policy), is_checkpointed(critic), is_checkpointed(ref)))
+        raise RuntimeError("stop: models seen")
+
+    monkeypatch.setattr(loop, "ppo_update", stop)
+    d, cfg = setup
+    for on in (False, True):
+        run_cfg = {**cfg, "train": {**cfg["train"], "activation_checkpointing": on,
+                                    "ppo": {**cfg["train"]["ppo"], "backend": "sdpa"}}}
+        with pytest.raises(RuntimeError, match="stop"):
+            train_run(run_cfg, "ppo", 0, d / "student", None, d / "q2_train.parquet", d / "index", tmp_path / f"r{on}",
+                      log=lambda *a: None)
+    assert seen == [(False, False, False), (True, True, False)]
+    bad = {**cfg, "train": {**cfg["train"], "activation_checkpointing": True}}  # prefix_shared (the config's)
+    assert bad["train"]["ppo"]["backend"] == "prefix_shared"
+    with pytest.raises(ValueError, match="prefix_shared"):
+        train_run(bad, "ppo", 0, d / "student", None, d / "q2_train.parquet", d / "index", tmp_path / "bad",
+                  log=lambda *a: None)

@@ -13,6 +13,15 @@ S ways a model is sharded (W under FSDP, else 1), G = plan.gpu_memory_gb.
   trained (AdamW)      P * 16 / S                     fp32 weights 4 (they are the master weights:
                                                       train/parallel.py, sft/trainer.py) + fp32 grads 4
                                                       + AdamW exp_avg 4 + exp_avg_sq 4
+  FSDP gathered        (2 P_layer + P_root) * b_p     FSDP2 (train.shard / sft.shard fsdp): the unit in use and
+                                                      the one prefetched (2 decoder layers) all-gathered in the
+                                                      param dtype b_p (bf16 2, fp32 4), + the root unit (P_root:
+                                                      embeddings, final norm, LM head), which stays gathered from
+                                                      the forward through the backward (parallel.shard: FSDP2
+                                                      does not reshard the root after forward)
+  FSDP root grads      P_root * (b_p + 4)             the root's unsharded gradient (param dtype) and its fp32
+                                                      copy for the reduce-scatter (reduce_dtype fp32): the
+                                                      largest unit's, at the end of the backward
   DDP buckets          P * 4                          DistributedDataParallel's gradient buckets (default
                                                       gradient_as_bucket_view=False: a second fp32 copy)
   autocast casts       2 * L * P_layer                bf16 autocast over fp32 weights caches a bf16 copy of
@@ -29,8 +38,15 @@ S ways a model is sharded (W under FSDP, else 1), G = plan.gpu_memory_gb.
                                                       saves in transformers' Qwen2 (tests/test_plan.py; bf16
                                                       under CPU autocast, which casts the same matmuls as
                                                       CUDA's; GPU kernels not measured here)
-  ... checkpointed     T * (L * 4h + a)               per-layer activation checkpointing: the fp32 layer
-                                                      inputs + one layer recomputed at a time
+  ... checkpointed     T * (L * 4h + a)               per-layer activation checkpointing (train/parallel.py
+                                                      checkpoint_activations: non-reentrant checkpoint of each
+                                                      decoder layer's forward): autograd keeps only each layer's
+                                                      input, the residual stream (4h: fp32 under autocast; bf16
+                                                      under FSDP's param_dtype, so an upper bound), and one
+                                                      layer's activations a exist at a time, recomputed in its
+                                                      backward (Korthikanti et al. 2022, sec. 5: "full
+                                                      recomputation" keeps 2sbh per layer in fp16; the rotary
+                                                      cos/sin all layers share is T x head_dim x 8 B, omitted)
   attention scores     L * heads * T_q * T_k * 4      only where a kernel keeps them: eager anywhere, sdpa's
                                                       math kernel (a mask on the CPU); measured on the CPU
   loss chunk           n * C * V * 16                 chunked full-vocabulary heads (losses.py, sft/loss.py):
@@ -102,6 +118,11 @@ class Spec:
     @property
     def kv(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside the decoder layers (embeddings, final norm, untied head): FSDP's root unit."""
+        return self.params - self.layers * (self.layer_params + self.heads * self.head_dim + 2 * self.kv + 2 * self.hidden)
 
     @property
     def layer_params(self) -> int:  # matmul weights of one decoder layer (what autocast casts)
@@ -340,6 +361,14 @@ def _rollouts(job: Job, cfg: dict, phase: str, spec: Spec, benchmark: str, max_n
             f"{n} episodes x {tokens} tokens x L x 2 x kv x {BYTES[dt]} B")
 
 
+def _fsdp(job: Job, phase: str, m: Spec, dtype: str, models: int = 1, what: str = "") -> None:
+    """FSDP2's unsharded memory of `models` trained copies of `m` (see the module docstring)."""
+    b = BYTES[dtype]
+    job.add(phase, "FSDP gathered", models * (2 * m.layer_params + m.root_params) * b,
+            f"{what}(2 x P_layer + P_root {m.root_params:,}) x {b} B")
+    job.add(phase, "FSDP root grads", models * m.root_params * (b + 4), f"{what}P_root x ({b} + 4) B")
+
+
 def plan_train(cfg: dict) -> list[Job]:
     t, ro = cfg["train"], cfg["rollout"]
     job = _job(cfg, "train")
@@ -347,7 +376,9 @@ def plan_train(cfg: dict) -> list[Job]:
     s = w if t.get("shard", "none") == "fsdp" and w > 1 else 1
     dt, ckpt = t.get("dtype", "float32"), bool(t.get("activation_checkpointing", False))
     pol, tea = role_spec(cfg, "student"), role_spec(cfg, "teacher")
-    pc = pol.params + pol.hidden + 1  # critic = the policy's backbone + a scalar head
+    k = t.get("critic_layers") or pol.layers  # critic = the policy's first k decoder layers + a scalar head
+    pc = pol.params - (pol.layers - k) * pol.layer_params + pol.hidden + 1
+    both = 1 + k / pol.layers  # policy + critic, in units of the policy's decoder
     tokens, actions = episode_tokens(cfg, t["benchmark"], ro["max_new_tokens"])
     local = math.ceil(t["batch_tasks"] / w)
     opd = any(m != "ppo" for m in t["methods"])
@@ -379,18 +410,18 @@ def plan_train(cfg: dict) -> list[Job]:
         if opd:
             job.add(ph, "teacher hidden", local * actions * tea.hidden * BYTES[dt],
                     f"{local} episodes x {actions} actions x h_T x {BYTES[dt]} B")
-    job.add("update", "activations (policy + critic)", 2 * tokens * act_per_token(pol, dt, ckpt),
-            f"2 models x T_pack {tokens} x {'checkpointed ' if ckpt else ''}a({dt}) x L")
+    job.add("update", "activations (policy + critic)", both * tokens * act_per_token(pol, dt, ckpt),
+            f"(1 + {k}/{pol.layers}) models x T_pack {tokens} x {'checkpointed ' if ckpt else ''}a({dt}) x L")
     q, turns, backend = _plan(cfg)["prompt_tokens"], max_turns(cfg["agent"], t["benchmark"]), t["ppo"]["backend"]
     own = call_input(cfg, ro["max_new_tokens"]) - q + ro["max_new_tokens"]
     scores = attention_scores(pol, backend, job.gpus > 0, 4, tokens, q, turns, own)
     if scores:
-        job.add("update", "attention scores", 2 * (1 if ckpt else pol.layers) * scores,
-                f"2 models x {1 if ckpt else 'L'} x {backend} scores (heads x queries x keys x 4 B)")
+        job.add("update", "attention scores", both * (1 if ckpt else pol.layers) * scores,
+                f"(1 + {k}/{pol.layers}) models x {1 if ckpt else 'L'} x {backend} scores (heads x queries x keys x 4 B)")
     if BYTES[dt] == 2 and s == 1:
         job.add("update", "autocast casts", 2 * 2 * pol.layers * pol.layer_params, "2 models x 2 B x L x P_layer")
     if s > 1:
-        job.add("update", "FSDP gathered layers", 2 * 2 * 2 * pol.layer_params, "2 models x 2 layers x 2 B x P_layer")
+        _fsdp(job, "update", pol, dt, 2, "2 models x ")
     c = t["ppo"]["chunk_size"]
     job.add("update", "loss chunk", (2 if opd else 1) * c * pol.vocab * 16, f"{2 if opd else 1} x {c} x V x 16 B")
     if job.gpus:  # a checkpoint: every rank gathers whole fp32 policy + critic on the CPU, rank 0 also AdamW's state
@@ -421,6 +452,8 @@ def _sft_job(cfg: dict, rule: str, role: str, seq_len: int) -> Job:
         job.add("step", "DDP buckets", m.params * 4, "P x 4 B")
     if BYTES[dt] == 2 and s == 1:
         job.add("step", "autocast casts", 2 * m.layers * m.layer_params, "2 B x L x P_layer")
+    if s > 1:
+        _fsdp(job, "step", m, dt)
     job.add("step", "activations", seq_len * act_per_token(m, dt, ckpt),
             f"seq_len {seq_len} x {'checkpointed ' if ckpt else ''}a({dt}) x L")
     if sft.get("backend") != "segmented":  # segmented: sdpa per example with is_causal, no mask, no scores kept

@@ -117,7 +117,7 @@ def cmd_sft_train(args, cfg):
     from memopd.models import load_model, load_tokenizer
     from memopd.records import load_episodes
     from memopd.sft.data import split_heldout
-    from memopd.sft.trainer import TrainConfig, dist_info, setup_distributed, stage_section, train
+    from memopd.sft.trainer import TrainConfig, dist_info, setup_distributed, stage_section, train, whole_tensors
 
     _threads(args)
     device = setup_distributed()
@@ -139,8 +139,10 @@ def cmd_sft_train(args, cfg):
         seed = args.seed if tcfg.seed is None else tcfg.seed  # the held-out split above keeps args.seed
         summary = train(model, train_ex, heldout, tcfg, seed, out / "checkpoint", log=run.log_metrics,
                         identity=identity)
+        # sft.shard fsdp: the weights gathered from the shards (collective), kept by rank 0 only
+        state = whole_tensors(model, keep=rank == 0) if tcfg.shard == "fsdp" and world > 1 else None
         if rank == 0:
-            model.save_pretrained(out, safe_serialization=True)
+            model.save_pretrained(out, state_dict=state, safe_serialization=True)
             load_tokenizer(args.init).save_pretrained(out)
             info_path = Path(args.init) / "memopd_model.json"
             init_info = json.loads(info_path.read_text()) if info_path.exists() else {}

@@ -10,7 +10,20 @@ stores the next step, so a run killed after its last checkpoint resumes there an
 ends with the same weights as an uninterrupted run. AdamW (weight decay on matrices only, not on
 norms/biases), linear warm-up then cosine decay to min_lr_ratio x lr, gradient clipping by global
 norm, fp32 or bf16 autocast (fp32 master weights). Several GPUs: launched by torchrun
-(WORLD_SIZE > 1), DistributedDataParallel; each rank takes every world-th bin of a step.
+(WORLD_SIZE > 1); each rank takes every world-th bin of a step. `shard` says how the model lives on
+the ranks, as `train.shard` does for training (memopd.train.parallel):
+  none  a replica per rank, DistributedDataParallel (fp32 weights + grads + AdamW + DDP's buckets:
+        20 bytes per parameter on every GPU, ~152 GB for the 7B teacher)
+  fsdp  FSDP2 (`parallel.shard`): fp32 master weights, gradients and AdamW state sharded over the ranks
+        (16 bytes per parameter / world); with bf16 the layers are gathered and compute in bf16
+        (MixedPrecisionPolicy), gradients reduce-scattered in fp32 as a sum (the loss already carries
+        1 / N_step). Every forward and backward is a collective: each rank runs grad_accum passes per
+        step (every step is full, see StepPlan). Checkpoints hold whole tensors, gathered from the
+        shards by every rank and written by rank 0 (tied weights stored once, as sft.checkpoint's
+        save_tensors does), so they load whatever the sharding; the final model is gathered likewise
+        (`full_state_dict`).
+`activation_checkpointing` recomputes every decoder layer in the backward (parallel.checkpoint_activations:
+only each layer's input is kept), applied before sharding; the same loss and gradients.
 """
 from __future__ import annotations
 
@@ -30,9 +43,18 @@ from tqdm.auto import tqdm
 
 from memopd.packing import PackingLimitError
 from memopd.records import Episode
-from memopd.sft.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from memopd.sft.checkpoint import (
+    load_checkpoint,
+    load_tensors,
+    read_meta,
+    rng_state,
+    save_checkpoint,
+    save_tensors,
+    set_rng_state,
+)
 from memopd.sft.data import StepPlan, bin_pack, example_len, target_len
 from memopd.sft.loss import TargetLoss, target_loss
+from memopd.train import parallel
 
 ROLES = ("student", "teacher")
 NOT_TRAINER_KEYS = ("min_reward", "pretrain")  # keys of the `sft` config section used by other steps
@@ -80,6 +102,8 @@ class TrainConfig:
     steps: int | None = None  # the budget: exactly one of steps / epochs
     epochs: float | None = None
     seed: int | None = None  # data order and RNG of this stage (None: the run's seed; the held-out split never changes)
+    shard: str = "none"  # none (a replica per rank, DDP) | fsdp (FSDP2 shards over the ranks)
+    activation_checkpointing: bool = False  # recompute each decoder layer in the backward
 
     @classmethod
     def from_section(cls, section: dict, role: str | None = None) -> "TrainConfig":
@@ -101,6 +125,8 @@ class TrainConfig:
             raise ValueError("SFT config needs exactly one budget: steps or epochs")
         if cfg.precision not in ("fp32", "bf16") or cfg.mode not in ("packed", "padded"):
             raise ValueError(f"bad precision {cfg.precision!r} or mode {cfg.mode!r}")
+        if cfg.shard not in parallel.SHARDING:
+            raise ValueError(f"sft.shard {cfg.shard!r}: choose from {parallel.SHARDING}")
         return cfg
 
 
@@ -145,7 +171,11 @@ def make_optimizer(model, cfg: TrainConfig, total_steps: int):
 
 def fingerprint(cfg: TrainConfig, seed: int, examples: list[Episode], world: int, identity: dict) -> str:
     """What a checkpoint must match to be resumed: config, seed, world size, data, initial model."""
-    h = hashlib.sha256(json.dumps([asdict(cfg), seed, world, identity], sort_keys=True, default=str).encode())
+    # how the run is laid out is not what it computes: activation checkpointing never, a replica's checkpoint
+    # neither (its fingerprint stays what it was before the option existed); fsdp stores its optimizer
+    # state by parameter name, so it is resumed by fsdp runs only
+    config = {k: v for k, v in asdict(cfg).items() if k != "activation_checkpointing" and (k, v) != ("shard", "none")}
+    h = hashlib.sha256(json.dumps([config, seed, world, identity], sort_keys=True, default=str).encode())
     for x in examples:
         inv = x.invocations[0]
         h.update(torch.tensor(inv.input_ids + [-1] + inv.output_ids + [-2], dtype=torch.int64).numpy().tobytes())
@@ -160,22 +190,73 @@ def _autocast(device: torch.device, precision: str):
 
 @torch.no_grad()
 def evaluate(model, examples: list[Episode], cfg: TrainConfig) -> dict:
-    """Held-out target loss: mean NLL per target token over all `examples` (all ranks together)."""
+    """Held-out target loss: mean NLL per target token over all `examples` (all ranks together). `model`:
+    a replica or a sharded `parallel.Root` (its full parameters held while the ranks run their bins)."""
     rank, world, _ = dist_info()
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     bins = bin_pack([example_len(x) for x in examples], cfg.seq_len, [x.task_id for x in examples])
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    for b in bins[rank::world]:
-        with _autocast(device, cfg.precision):
-            s, n = target_loss(model, [examples[i] for i in b], cfg.mode, cfg.seq_len, cfg.backend)
-        total += torch.tensor([s.item(), n], dtype=torch.float64, device=device)
+    with parallel.gathered(model):  # sharded: the ranks may run different numbers of bins
+        for b in bins[rank::world]:
+            with _autocast(device, cfg.precision):
+                s, n = parallel.call(model, lambda m, b=b: target_loss(m, [examples[i] for i in b], cfg.mode,
+                                                                       cfg.seq_len, cfg.backend))
+            total += torch.tensor([s.item(), n], dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(total)
     model.train(was_training)
     nll, n = total.tolist()
     return {"target_loss": nll / n if n else float("nan"), "target_tokens": int(n), "examples": len(examples)}
+
+
+def whole_tensors(model, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The model's state dict as whole CPU tensors, Hugging Face names (collective when `model` is sharded:
+    every rank calls it; only ranks with `keep` hold the result, the others return {}). A tensor several
+    names share (tied embeddings) is gathered once and stays shared, so save_tensors stores it once."""
+    out, done = {}, {}
+    for k, v in parallel.unwrap(model).state_dict(keep_vars=True).items():
+        if id(v) not in done:
+            whole = parallel.full_tensor(v.detach())  # one tensor at a time on the device
+            done[id(v)] = whole.cpu() if keep else None
+        if keep:
+            out[k] = done[id(v)]
+    return out
+
+
+def save_sharded_checkpoint(path: str | Path, model, opt, sched, meta: dict, write: bool) -> None:
+    """A checkpoint of a sharded model in the layout of sft.checkpoint (collective: every rank calls it;
+    `write` on rank 0): whole weights (save_tensors: tied ones once), the whole AdamW state keyed by
+    parameter name (parallel.optimizer_state), scheduler and RNG; written to `<dir>.tmp`, then swapped in."""
+    import shutil
+
+    tensors = whole_tensors(model, keep=write)
+    optim = parallel.optimizer_state(model, opt)
+    if write:
+        path = Path(path)
+        tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_tensors(tensors, tmp / "model.safetensors")
+        torch.save({"optimizer": optim, "scheduler": sched.state_dict(), "rng": rng_state()}, tmp / "state.pt")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load_sharded_checkpoint(meta: dict, model, opt, sched) -> None:
+    """Inverse of `save_sharded_checkpoint`: every rank reads the whole tensors and keeps its shards."""
+    path = Path(meta["path"])
+    parallel.load_full_state_dict(model, load_tensors(path / "model.safetensors"))
+    state = torch.load(path / "state.pt", weights_only=True, map_location="cpu")
+    parallel.load_optimizer_state(model, opt, state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
 
 
 def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConfig, seed: int,
@@ -185,7 +266,9 @@ def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConf
     of this very run (same fingerprint). `log(metrics, step)` receives training curves and held-out
     evaluations (rank 0 only). `stop_after=k` returns right after the k-th optimizer step of this
     call (and any checkpoint due then), keeping nothing else: what a kill leaves behind (resume tests).
-    Returns a summary (steps, train_seconds, final held-out evaluation, ...)."""
+    Returns a summary (steps, train_seconds, final held-out evaluation, ...). With `cfg.shard` fsdp on
+    several ranks `model` is sharded in place (its parameters become this rank's shards): read it back
+    with `whole_tensors(model)` (collective)."""
     rank, world, _ = dist_info()
     device = next(model.parameters()).device
     lengths = [example_len(x) for x in examples]
@@ -195,14 +278,18 @@ def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConf
     plan = StepPlan(lengths, cfg.seq_len, cfg.grad_accum * world, seed, cfg.steps, cfg.epochs)
     total_steps = plan.total_steps
     torch.manual_seed(seed)
+    if cfg.activation_checkpointing:  # before sharding: FSDP's hooks stay outside the recomputation
+        parallel.checkpoint_activations(model)
+    sharded = cfg.shard == "fsdp" and world > 1  # one rank: a shard is the whole model, the replica path
+    net = parallel.shard(model, "bfloat16" if cfg.precision == "bf16" else "float32") if sharded else model
     model.train()
-    opt, sched = make_optimizer(model, cfg, total_steps)
+    opt, sched = make_optimizer(model, cfg, total_steps)  # on the shards when sharded
     fp = fingerprint(cfg, seed, examples, world, identity or {})
     checkpoint_dir = Path(checkpoint_dir)
     meta = {"step": 0, "fingerprint": fp, "train_seconds": 0.0}
     found = read_meta(checkpoint_dir)
     if found is not None and found["fingerprint"] == fp:
-        load_checkpoint(found, model, opt, sched)
+        (load_sharded_checkpoint if sharded else load_checkpoint)(found, net, opt, sched)
         meta.update(step=found["step"], train_seconds=found["train_seconds"], resumed_from=found["step"])
         if rank == 0:
             print(f"resuming from the checkpoint at step {found['step']} in {checkpoint_dir}")
@@ -211,9 +298,15 @@ def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConf
               "starting from scratch and replacing it")
     start = meta["step"]
 
-    net = TargetLoss(model, cfg.mode, cfg.seq_len, cfg.backend)
-    if world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(net, device_ids=None)
+    if sharded:  # through the root's forward (its parameters gathered), FSDP sums gradients over ranks
+        def step_loss(batch):
+            return parallel.call(net, lambda m: target_loss(m, batch, cfg.mode, cfg.seq_len, cfg.backend)[0])
+        ddp, scale = None, 1
+    else:
+        ddp = TargetLoss(model, cfg.mode, cfg.seq_len, cfg.backend)
+        if world > 1:
+            ddp = torch.nn.parallel.DistributedDataParallel(ddp, device_ids=None)
+        step_loss, scale = ddp, world  # DDP averages gradients over ranks: x world turns that into the sum
     params = [p for p in model.parameters() if p.requires_grad]
     bar = tqdm(total=total_steps, initial=start, disable=not progress or rank != 0, desc="sft", unit="step")
     done, loss = start, None
@@ -225,15 +318,14 @@ def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConf
         opt.zero_grad(set_to_none=True)
         nll = torch.zeros((), dtype=torch.float64, device=device)
         for k, b in enumerate(mine):
-            sync = nullcontext() if world == 1 or k == len(mine) - 1 else net.no_sync()
+            sync = nullcontext() if world == 1 or sharded or k == len(mine) - 1 else ddp.no_sync()
             with sync:
                 with _autocast(device, cfg.precision):
-                    s = net([examples[i] for i in b])
-                # DDP averages gradients over ranks: x world turns that into the sum over ranks
-                (s * (world / n_step)).backward()
+                    s = step_loss([examples[i] for i in b])
+                (s * (scale / n_step)).backward()
             nll += s.detach().double()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
-        if not torch.isfinite(grad_norm):  # fail loudly rather than train on from NaN weights
+        grad_norm = parallel.clip_grad_norm(params, cfg.clip)  # of the summed gradients (whole, if sharded)
+        if not math.isfinite(grad_norm):  # fail loudly rather than train on from NaN weights
             raise FloatingPointError(f"non-finite gradient norm at step {step + 1}")
         lr = sched.get_last_lr()[0]
         opt.step()
@@ -251,20 +343,23 @@ def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConf
             log({"train_loss": loss, "lr": lr, "grad_norm": float(grad_norm), "target_tokens": n_step,
                  "tokens_per_s": tokens / dt}, done)
         if heldout and cfg.eval_every and done % cfg.eval_every == 0 and done < total_steps:
-            ev = evaluate(model, heldout, cfg)
+            ev = evaluate(net, heldout, cfg)
             if log and rank == 0:
                 log({"heldout_target_loss": ev["target_loss"]}, done)
         if done % cfg.checkpoint_every == 0 and done < total_steps:
             meta["step"] = done
-            if rank == 0:
-                save_checkpoint(checkpoint_dir, model, opt, sched, meta)
-            if world > 1:
-                dist.barrier()
+            if sharded:  # collective: every rank gathers, rank 0 writes
+                save_sharded_checkpoint(checkpoint_dir, net, opt, sched, meta, write=rank == 0)
+            else:
+                if rank == 0:
+                    save_checkpoint(checkpoint_dir, model, opt, sched, meta)
+                if world > 1:
+                    dist.barrier()
         if stop_after is not None and done - start >= stop_after:
             bar.close()
             return {"completed": False, "step": done, "total_steps": total_steps}
     bar.close()
-    final = evaluate(model, heldout, cfg) if heldout else None
+    final = evaluate(net, heldout, cfg) if heldout else None
     if final and log and rank == 0:
         log({"heldout_target_loss": final["target_loss"]}, total_steps)
     return {"completed": True, "steps": total_steps, "resumed_from": meta.get("resumed_from"),

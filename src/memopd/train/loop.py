@@ -52,7 +52,7 @@ from memopd.vocab import check_model_dirs
 
 # Config keys that do not change what a step computes, so not part of a run's identity: the data order of
 # the first steps does not depend on train.steps (`task_order`), so a finished run can be extended.
-NOT_IDENTITY = ("steps", "checkpoint_every", "keep_checkpoint")
+NOT_IDENTITY = ("steps", "checkpoint_every", "keep_checkpoint", "activation_checkpointing")
 
 
 class ResumeMismatch(RuntimeError):
@@ -242,6 +242,10 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     # `ppo` never scores it, so it needs none (its jobs can start before the teacher's SFT ends)
     teacher = (load_model(teacher_dir, dtype=dtype, device=str(device)).requires_grad_(False)
                if method != "ppo" else None)
+    if tcfg.get("activation_checkpointing"):  # recompute each decoder layer in the backward (before sharding)
+        if tcfg.get("ppo", {}).get("backend") == "prefix_shared":  # its calls read a prefix KV cache the layers drop
+            raise ValueError("train.activation_checkpointing needs train.ppo.backend flex or sdpa, not prefix_shared")
+        policy, critic = parallel.checkpoint_activations(policy), parallel.checkpoint_activations(critic)
     shard = tcfg.get("shard", "none")
     if shard not in parallel.SHARDING:
         raise ValueError(f"train.shard {shard!r}: choose from {parallel.SHARDING}")

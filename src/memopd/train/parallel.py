@@ -19,10 +19,20 @@ module's forward runs, but the trainer reads the LM head's weight directly (chun
 the decoder past the Hugging Face forward (packed masks). So a sharded model is a `Root` whose forward
 runs any function of the wrapped model: `call(model, fn)` is `fn(model)` for a replica and the root's
 forward for a sharded model, and every computation on policy, critic and reference goes through it.
+
+Activation checkpointing (`train.activation_checkpointing`, `sft.activation_checkpointing`;
+`checkpoint_activations`): every decoder layer of a trained model keeps only its input for the backward
+and recomputes its forward there (transformers' per-layer checkpointing, non-reentrant
+torch.utils.checkpoint). It checkpoints the layer's `forward`, not `__call__`, so FSDP2's hooks stay
+outside the recomputation: apply it before `shard`. It works under every packed backend that runs a
+layer once per forward (sdpa, eager, flex, segmented); prefix_shared cannot be checkpointed (its calls
+read the prefix's KV cache, which checkpointed layers drop), so `ppo_update` refuses that combination.
+Numerically a recomputed layer gives the same loss and gradients (tests/test_checkpointing.py).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import torch
 
@@ -62,6 +72,55 @@ def unwrap(model) -> torch.nn.Module:
 
 def is_sharded(model) -> bool:
     return isinstance(model, Root)
+
+
+def checkpoint_activations(model: torch.nn.Module) -> torch.nn.Module:
+    """Per-decoder-layer activation checkpointing of every Hugging Face model in `model` (a causal LM, or
+    the critic's backbone inside `ValueModel`), non-reentrant; returns `model`. Call it before `shard`.
+    Memory: each layer saves its input (the residual stream, fp32 under autocast) instead of its
+    activations, and one layer's activations exist at a time, recomputed in the backward (memopd.plan)."""
+    from transformers import PreTrainedModel
+
+    done = False
+    for m in unwrap(model).modules():
+        if isinstance(m, PreTrainedModel) and not is_checkpointed(m):
+            if not m.supports_gradient_checkpointing:
+                raise ValueError(f"{type(m).__name__} does not support activation checkpointing")
+            kwargs = {"use_reentrant": False, "context_fn": partial(_recompute_attention_as_forward, m.config)}
+            if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
+                m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            done = True
+    if not done and not is_checkpointed(model):
+        raise ValueError(f"no Hugging Face model with decoder layers to checkpoint in {type(model).__name__}")
+    return model
+
+
+@contextmanager
+def _attention_implementation(config, name):
+    old = config._attn_implementation
+    if old != name:
+        config._attn_implementation = name  # the setter sets the sub-configs too
+    try:
+        yield
+    finally:
+        if old != name:
+            config._attn_implementation = old
+
+
+def _recompute_attention_as_forward(config):
+    """torch.utils.checkpoint's context_fn, called when a layer's forward runs: its recomputation in the
+    backward runs under the attention implementation of that forward. The packed backends switch it only
+    around their forward (attention.attn_impl, segmented_hidden), so without this a layer run under flex,
+    eager or memopd_segmented would be recomputed with the model's default (sdpa): a metadata error at
+    best, silently other gradients at worst (segmented: one causal attention over the whole pack)."""
+    return nullcontext(), _attention_implementation(config, config._attn_implementation)
+
+
+def is_checkpointed(model) -> bool:
+    """Whether some layer of `model` recomputes its activations in the backward."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in unwrap(model).modules())
 
 
 def _fsdp_modules(model) -> list:

@@ -45,7 +45,7 @@ from memopd.losses import (action_logprobs_entropy, actor_loss, gae, opd_loss, r
 from memopd.packing import Packed, pack
 from memopd.rce import RCEError, guard
 from memopd.records import Episode
-from memopd.train.parallel import autocast, call, clip_grad_norm, gathered, is_sharded
+from memopd.train.parallel import autocast, call, clip_grad_norm, gathered, is_checkpointed, is_sharded
 
 METHODS = ("ppo", "memopd", "memopd_persistent")
 
@@ -258,6 +258,10 @@ def ppo_update(episodes: list[Episode], policy, ref, critic, teacher, actor_opt,
 
     Every loss term is a token mean over the minibatch (`losses.aggregate`): PPO, entropy and value
     over its sampled action tokens, OPD over its teacher-mask tokens (1 / sum m_T)."""
+    if cfg.backend == "prefix_shared" and (is_checkpointed(policy) or is_checkpointed(critic)):
+        # the calls read the prefix's KV cache, which checkpointed layers do not keep (parallel.py)
+        raise ValueError("train.ppo.backend prefix_shared cannot run activation-checkpointed models: "
+                         "use flex or sdpa, or train.activation_checkpointing: false")
     ids = list(range(len(episodes))) if ids is None else list(ids)
     owners = gather(ids)
     n_total = sum(len(o) for o in owners)
