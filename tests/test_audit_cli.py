@@ -100,6 +100,8 @@ def test_packed_at_the_floor_persistent_far_above(run):
     assert float(rows["independent_batched"]["max_abs_dlogp"]) <= FLOOR
     assert float(rows["persistent_history"]["max_abs_dlogp"]) > 100 * FLOOR
     assert rows["persistent_history"]["at_floor"] == "False"
+    md = (run / "tables/alignment_audit.md").read_text()  # ours beside the paper's figures
+    assert f"p99 {float(rows['persistent_history']['p99_abs_dlogp']):.3g}" in md and "(paper, Qwen2.5-3B: p99 1.774, 651" in md
     n = sum(len(i.output_ids) for e in read_episodes(run / "episodes.parquet")[0] for i in e.invocations)
     assert all(int(r["action_tokens"]) == n and r["trajectories"] == "4" for r in rows.values())
 
@@ -112,7 +114,8 @@ def test_every_corruption_far_above_the_floor(run):
     # both corruptions together are the persistent-history layout
     ph = {r["state"]: r for r in _csv(run / "tables/alignment_audit.csv")}["persistent_history"]
     assert float(rows["corrupt_both"]["max_abs_dlogp"]) == pytest.approx(float(ph["max_abs_dlogp"]), rel=1e-6)
-    assert "Finding: the paper's ordering" in (run / "tables/state_corruption.md").read_text()
+    md = (run / "tables/state_corruption.md").read_text()
+    assert "Finding: the paper's ordering" in md and "260 top-1 changes, false clip rate 0.0497; here" in md
 
 
 def test_exact_action_mask_is_a_strict_subset_of_the_response_mask(run):
@@ -139,6 +142,9 @@ def test_teacher_divergence_only_after_the_first_update(run):
     assert float(rows["0"]["p99_abs_dlogp"]) < FLOOR and float(rows["0"]["top1_agreement"]) == 1.0
     assert float(rows["before_first_update"]["p99_abs_dlogp"]) < FLOOR
     assert float(rows["after_first_update"]["p99_abs_dlogp"]) > 100 * FLOOR
+    md = (run / "tables/teacher_divergence.md").read_text()
+    assert f"top-1 agreement {float(rows['after_first_update']['top1_agreement']):.3f}" in md
+    assert "(paper, Qwen2.5-7B: top-1 agreement 0.812, p99 19.854, mean KL 0.793, 444 top-1 changes)" in md
 
 
 def test_context_updates_at_the_floor_for_every_rule(run):
@@ -146,6 +152,7 @@ def test_context_updates_at_the_floor_for_every_rule(run):
     assert {(r["rule"], r["backend"]) for r in rows} == {(r, b) for r in RULES for b in BACKENDS}
     assert all(r["passed"] == "True" and float(r["max_abs_dlogp"]) <= FLOOR for r in rows)
     assert any(int(r["memory_updates"]) > 0 for r in rows if r["rule"] == "full_retention")
+    assert "(paper: every rule at the numerical floor)" in (run / "tables/context_updates.md").read_text()
 
 
 def test_packing_efficiency_real_and_synthetic_with_rce(run):

@@ -25,6 +25,12 @@ from memopd.report.tables import write_table
 # --- episodes -------------------------------------------------------------------------------------
 
 
+# The paper's audit figures (arXiv 2608.07068, Qwen2.5-3B student / 7B teacher), quoted beside ours in the findings.
+PAPER = {"model": "Qwen2.5-3B", "teacher": "Qwen2.5-7B", "persistent_p99": 1.774, "persistent_top1": 651,
+         "persistent_false_clip": 0.1329, "packed_p99": 3.43e-5, "teacher_top1_agreement": 0.812,
+         "teacher_p99": 19.854, "teacher_kl": 0.793, "teacher_top1": 444, "positions_top1": 260,
+         "positions_false_clip": 0.0497}
+
 def rollout_step(cfg: dict, model_dir: str, benchmark: str, index: str, out: str, seed: int,
                  rule: str | None = None, limit: int | None = None) -> list[Episode]:
     """Roll out the audit episodes once and save them (parquet) with their provenance (JSON beside it).
@@ -139,7 +145,11 @@ def alignment_step(cfg: dict, model_dir: str, episodes_path: str, out: str) -> l
              f"{worst['max_abs_dlogp']:.2e}); persistent history max |d log p| "
              f"{r['persistent_history']['max_abs_dlogp']:.3g}, "
              f"{_orders(r['persistent_history']['max_abs_dlogp'], tol)} orders of magnitude above the tolerance, "
-             f"false clip rate {r['persistent_history']['false_clip_rate']:.3f}."]
+             f"p99 {r['persistent_history']['p99_abs_dlogp']:.3g}, {r['persistent_history']['top1_changes']} top-1 "
+             f"changes, false clip rate {r['persistent_history']['false_clip_rate']:.4f} "
+             f"(paper, {PAPER['model']}: p99 {PAPER['persistent_p99']}, {PAPER['persistent_top1']} top-1 changes, "
+             f"false clip rate {PAPER['persistent_false_clip']}; packed p99 {PAPER['packed_p99']}, ours "
+             f"{worst['p99_abs_dlogp']:.2e} worst)."]
     caption = (f"Alignment audit: |d log p| of the sampled action tokens vs each call run alone "
                f"(p99, max, mean over tokens), top-1 changes at action positions, false PPO clip rate "
                f"(ratio outside [1-{cfg['clip']}, 1+{cfg['clip']}] with identical weights). Model {meta['model']} "
@@ -166,7 +176,9 @@ def state_corruption_step(cfg: dict, model_dir: str, episodes_path: str, out: st
     verdict = ("holds on every column" if len(worse) == len(keys) else
                "does not hold on any column" if not worse else f"holds on {', '.join(worse)} only")
     notes = [f"Finding: the paper's ordering (visibility corruption worse than position corruption) {verdict}: "
-             + "; ".join(f"{k} {vis[k]:.3g} (visibility) vs {pos[k]:.3g} (positions)" for k in keys) + ".",
+             + "; ".join(f"{k} {vis[k]:.3g} (visibility) vs {pos[k]:.3g} (positions)" for k in keys) + ". "
+             f"Positions only, paper ({PAPER['model']}): {PAPER['positions_top1']} top-1 changes, false clip rate "
+             f"{PAPER['positions_false_clip']}; here {pos['top1_changes']} and {pos['false_clip_rate']:.4f}.",
              "corrupt_both (running positions and plain causal visibility) is the persistent-history layout."]
     caption = (f"State corruption: the exact packed state and deliberate corruptions of it, scored against each "
                f"call run alone (columns as in the alignment audit). Model {meta['model']} in {cfg['dtype']} on "
@@ -189,7 +201,9 @@ def teacher_divergence_step(cfg: dict, teacher_dir: str, episodes_path: str, out
         notes.append(f"Finding: before the first memory update the teacher sees the same state in both layouts "
                      f"(top-1 agreement {b['top1_agreement']:.3f}, p99 |d log p| {b['p99_abs_dlogp']:.2e}); after it, "
                      f"top-1 agreement {a['top1_agreement']:.3f}, p99 |d log p| {a['p99_abs_dlogp']:.3g}, "
-                     f"mean KL {a['mean_kl']:.3g} nats, {a['top1_changes']} teacher top-1 changes.")
+                     f"mean KL {a['mean_kl']:.3g} nats, {a['top1_changes']} teacher top-1 changes (paper, "
+                     f"{PAPER['teacher']}: top-1 agreement {PAPER['teacher_top1_agreement']}, p99 "
+                     f"{PAPER['teacher_p99']}, mean KL {PAPER['teacher_kl']}, {PAPER['teacher_top1']} top-1 changes).")
     caption = (f"Teacher divergence: teacher {Path(teacher_dir).name} ({cfg['dtype']}, {_device()}, sdpa) scored at "
                f"the sampled action tokens on the persistent-history flattening vs the exact state; by invocation "
                f"index, then before/after the first memory update (call 0 / calls >= 1); mean_kl = KL(exact || "
@@ -304,7 +318,7 @@ def context_updates_step(cfg: dict, model_dir: str, episode_paths: list[str], ou
     notes = [f"Finding: {len(rows) - len(failed)} of {len(rows)} (rule, backend) pairs at the {cfg['dtype']} floor "
              f"({gate})" + (f"; failed: {', '.join(failed)}" if failed else "") + "; worst max |d log p| "
              f"{max(x['max_abs_dlogp'] for x in rows):.2e}, worst max |d logit| "
-             f"{max(x['max_abs_dlogit'] for x in rows):.2e}."]
+             f"{max(x['max_abs_dlogit'] for x in rows):.2e} (paper: every rule at the numerical floor)."]
     m = metas[0]
     caption = (f"Context updates: RCE (packed vs each call run alone) per memory-rewrite rule and backend; passed = "
                f"{gate} ({cfg['dtype']} tolerances). Model "
