@@ -108,6 +108,15 @@ def cmd_bench_opd_memory(args, cfg):
         _write_csv(args.out, rows)
 
 
+def cmd_bench_index(args, cfg):
+    from memopd.retrieval.index_bench import run
+
+    rows = run(sizes=args.sizes, dim=args.dim, shard=args.shard, queries=args.queries)
+    if args.out:
+        _write_csv(args.out, rows)
+        print(f"wrote {args.out}")
+
+
 def _data_errors_exit(fn):
     """Bad data or config -> one clear line on stderr, exit status 1, no traceback."""
     from memopd.data.loaders import DataConfigError, DataFormatError
@@ -556,6 +565,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--hidden", type=int, default=256)
     sp.add_argument("--chunk", type=int, default=128)
     sp.add_argument("--device", default="cpu")
+    sp.add_argument("--out", help="CSV file")
+    sp = add("index", cmd_bench_index, "dense index build: peak RSS and time per corpus size (synthetic "
+             "encoder, sharded build), and exact-search time", bench)
+    sp.add_argument("--sizes", type=int, nargs="+", default=[50_000, 200_000], help="passages per corpus")
+    sp.add_argument("--dim", type=int, default=768)
+    sp.add_argument("--shard", type=int, default=10_000, help="passages per shard (retrieval.dense.shard_passages)")
+    sp.add_argument("--queries", type=int, default=64, help="queries of the timed exact searches")
     sp.add_argument("--out", help="CSV file")
 
     sp = add("benchmarks", cmd_benchmarks, "compose Q_n and Wiki-RAG tasks (config section `benchmarks`)")

@@ -63,9 +63,10 @@ S ways a model is sharded (W under FSDP, else 1), G = plan.gpu_memory_gb.
                                                       sequence (vLLM refuses to start otherwise)
   teacher hidden       N * h_T * b                    score_batch keeps the teacher's hidden states at the
                                                       teacher positions of every episode of the rank
-  retriever (host)     N_p * d * 4 + corpus           per process that loads it: faiss Flat copy of the
-                                                      float32 embeddings (embeddings.npy is memory-mapped) +
-                                                      passages as Python strings (text + 3 * 57 B each)
+  index (host)         N_p * d * 4                    once per job: the memory-mapped float32 embeddings
+                                                      (page cache its processes share; passages.arrow is
+                                                      mapped too, touched at hit rows only); + per process
+                                                      a search block; building: one shard at a time
   checkpoint (host)    W * 4 * (P + P_c) + 8 * (P+P_c) train: every rank gathers whole fp32 policy + critic,
                                                       rank 0 also the AdamW state (train/loop.save_checkpoint)
 
@@ -321,18 +322,28 @@ def _common(job: Job, cfg: dict, phase: str) -> None:
 
 
 def _retriever(job: Job, cfg: dict, copies: int = 1, building: bool = False) -> None:
-    """The dense index in RAM (DenseRetriever.load: a faiss Flat copy of embeddings.npy, the passages as Python
-    strings); BM25 (embedded default) is not modelled. Building holds 3 copies of the embeddings at once
-    (E5Encoder.encode: the batch list, np.concatenate, .astype), then vectors + the faiss copy."""
+    """The dense index (memopd.retrieval.dense); BM25 (embedded default) is not modelled. Loaded: embeddings.npy
+    and passages.arrow are memory-mapped, so the float32 embeddings are page cache the job's processes share
+    (counted once: a cgroup is charged for the file pages its processes touch; an exact search touches them
+    all), plus per process one search block of scores (queries x search_block x 17 B: float32 scores, int64
+    candidates and their merge). Building: one shard at a time (its texts and float32 embeddings, twice while
+    encoding and writing, + the encoded text), whatever the corpus size."""
     r, corpus = cfg["retrieval"], _plan(cfg)["corpus"]
     if r["backend"] != "e5" or not corpus:
         return
-    d = resolve(r["dense"]["model"], cfg).hidden
-    emb = corpus["passages"] * d * 4
-    text = corpus["text_gb"] * GB + corpus["passages"] * 3 * 57  # 3 str objects (id, title, text) of ~57 B overhead
-    n = 3 if building else 1
-    why = f"{copies} x ({n} x {corpus['passages']:,} passages x {d} x 4 B + text {corpus['text_gb']} GB + 3 x 57 B each)"
-    job.host["retriever"] = (copies * (n * emb + text), why)
+    dense = r["dense"]
+    d = resolve(dense["model"], cfg).hidden
+    n = corpus["passages"]
+    if building:
+        sh = min(dense.get("shard_passages", n), n)
+        text = corpus["text_gb"] * GB / n  # bytes per passage
+        job.host["index shard"] = (sh * (2 * d * 4 + 2 * text), f"shard_passages {sh:,} x (2 x {d} x 4 B + 2 x "
+                                                                  f"{text:.0f} B of text)")
+        return
+    block, queries = dense.get("search_block", 65536), 512
+    job.host["index (page cache)"] = (n * d * 4, f"{n:,} passages x {d} x 4 B, memory-mapped, shared by the job")
+    job.host["search blocks"] = (copies * queries * block * 17,
+                                 f"{copies} x {queries} queries x search_block {block:,} x 17 B")
 
 
 def _vllm(job: Job, cfg: dict, phase: str, spec: Spec, util: float, max_len: int, tp: int = 1) -> float:
@@ -599,7 +610,6 @@ def plan_data(cfg: dict) -> list[Job]:
         job.add("encode", "batch", bt * lt * (4 * e5.hidden + 2 * (e5.intermediate + 4 * e5.hidden) + 2 * e5.heads * lt),
                 f"{bt} x {lt} tokens x (fp32 output 4h + one layer 2(i + 4h) + scores 2 heads x {lt}) B")
         _retriever(job, cfg, building=True)
-        job.host["passages with prefixes"] = (corpus["text_gb"] * GB, "text_gb (the `passage: ` strings encoded)")
         emb = corpus["passages"] * e5.hidden * 4
         job.disk["index"] = (emb + corpus["text_gb"] * GB, f"{corpus['passages']:,} x {e5.hidden} x 4 B + passages")
         job.disk["corpus (download + parquet)"] = (2 * corpus["text_gb"] * GB, "2 x text_gb")

@@ -1,28 +1,43 @@
-"""Dense retrieval (paper scale): e5 embeddings + a FAISS inner-product index, same interface as BM25.
+"""Dense retrieval (paper scale): e5 embeddings searched by inner product, same interface as BM25.
 
 e5 usage (Wang et al., 2022): inputs are prefixed "query: " / "passage: ", embeddings are the mean of the
 last hidden states over non-padding tokens, L2-normalised; the score is their inner product (cosine).
 A passage is encoded as "passage: {title}\\n{text}" (the wiki-18 `contents` layout without quotes).
 
-FAISS is used when importable (`faiss-cpu` or the GPU build; index type from `faiss_factory`, default
-exact "Flat"); without it an exact numpy inner-product search over the same normalised embeddings gives
-the same ranking, which keeps the code path testable on any machine. The model is loaded by hub name at
-paper scale (`online: true`) or from a local directory.
+Index directory: `embeddings.npy` (N x d float32, opened memory-mapped), `passages.arrow` (id, title, text;
+Arrow IPC, memory-mapped), `meta.json`, `manifest.json` (the shards built) and, for a FAISS factory other
+than "Flat", `faiss.index`. Memory is bounded by a shard or a search block, not by N (21M x 768 x 4 B =
+64.6 GB at paper scale): the build streams the corpus in `shard_passages` shards into the memory-mapped
+file in `<out>.partial/` (resumable: a rerun encodes only the shards its manifest does not list), and a
+loaded index holds nothing of size N in anonymous memory: the embeddings and passages live in the page
+cache (shared by every process of a node that opens the same files).
+
+Search: FAISS when importable (`faiss-cpu`): "Flat" is exact, by `faiss.knn` straight over the memory-mapped
+file (no copy); any other `faiss_factory` (IVF..., HNSW...) is built at index time, its recall@k against
+exact search on a sample recorded in meta.json. Without FAISS, an exact numpy search streams over the file
+in `search_block` rows and gives the same ids, order and scores as the full (queries x N) score matrix.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from tqdm import tqdm
 
-from memopd.retrieval.base import Hit, Retriever, write_index_dir
+from memopd.retrieval.base import Hit, Retriever
 
 DEFAULTS = {"model": "intfloat/e5-base-v2", "max_length": 256, "batch_size": 256, "device": "auto",
-            "dtype": "auto", "faiss_factory": "Flat", "query_prefix": "query: ", "passage_prefix": "passage: "}
+            "dtype": "auto", "faiss_factory": "Flat", "faiss_search": "", "query_prefix": "query: ",
+            "passage_prefix": "passage: ", "shard_passages": 500_000, "search_block": 65_536}
+# what the embeddings depend on: a resumed build with other values starts over
+EMBEDDING_KEYS = ("model", "max_length", "device", "dtype", "passage_prefix", "shard_passages")
+RECALL_SAMPLE, RECALL_K = 1000, 10  # approximate FAISS indexes: recall@10 of 1,000 stored vectors as queries
 
 
 def _faiss():
@@ -31,6 +46,13 @@ def _faiss():
     except ImportError:
         return None
     return faiss
+
+
+def index_memory_gb(n_passages: int, dim: int, dtype: str = "float32") -> float:
+    """Size (GB = 1e9 B) of the embeddings file, n_passages x dim of dtype: the page cache a process that
+    searches the index wants resident (every search reads all of it; less only makes searches read the disk).
+    Paper scale: index_memory_gb(21_015_324, 768) = 64.6."""
+    return n_passages * dim * np.dtype(dtype).itemsize / 1e9
 
 
 class E5Encoder:
@@ -51,9 +73,11 @@ class E5Encoder:
         self.model.to(device).eval()
 
     def encode(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
+        """(len(texts), hidden) float32, rows of unit norm."""
         import torch
 
-        out = []
+        dim = self.model.config.hidden_size
+        out = np.empty((len(texts), dim), np.float32)  # filled batch by batch: one copy of the result
         batches = range(0, len(texts), self.batch_size)
         for i in tqdm(batches, desc="encode", unit="batch", disable=not progress, mininterval=5):
             enc = self.tokenizer(list(texts[i:i + self.batch_size]), padding=True, truncation=True,
@@ -62,87 +86,282 @@ class E5Encoder:
                 h = self.model(**enc).last_hidden_state.float()
             m = enc["attention_mask"].unsqueeze(-1).float()
             emb = (h * m).sum(1) / m.sum(1).clamp_min(1.0)
-            out.append(torch.nn.functional.normalize(emb, dim=-1).cpu().numpy())
-        dim = self.model.config.hidden_size
-        return np.concatenate(out).astype(np.float32) if out else np.zeros((0, dim), np.float32)
+            out[i:i + self.batch_size] = torch.nn.functional.normalize(emb, dim=-1).cpu().numpy()
+        return out
 
+
+# ------------------------------------------------------------------------------------------------ search
+
+def _block_topk(s: np.ndarray, k: int) -> np.ndarray:
+    """Column indices (m, min(k, B)) of each row's k best scores of s (m, B), in no particular order; a tie
+    across the k-th place keeps the smallest indices (as a stable sort of -s would)."""
+    m, b = s.shape
+    if k >= b:
+        return np.broadcast_to(np.arange(b), (m, b))
+    part = np.argpartition(-s, k - 1, axis=1)[:, :k]
+    picked = np.take_along_axis(s, part, 1)
+    kth = picked.min(1, keepdims=True)
+    tied = (s == kth).sum(1) > (picked == kth).sum(1)  # argpartition chose among equal k-th scores arbitrarily
+    for r in np.flatnonzero(tied):
+        part[r] = np.argsort(-s[r], kind="stable")[:k]
+    return part
+
+
+def exact_search(q: np.ndarray, vectors: np.ndarray, k: int, block: int = DEFAULTS["search_block"]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Exact inner-product top k of queries q (m, d) over vectors (N, d) (e.g. a memmap), streamed in blocks
+    of `block` rows: peak extra memory ~ m x block x 17 B, never m x N. Returns scores (m, k) float32 and row
+    indices (m, k) int64, best first, ties by smaller index: the same as
+    `idx = np.argsort(-(q @ vectors.T), axis=1, kind="stable")[:, :k]`."""
+    m, k = len(q), min(k, len(vectors))
+    best_s, best_i = np.empty((m, 0), np.float32), np.empty((m, 0), np.int64)
+    for a in range(0, len(vectors), block):
+        s = q @ np.asarray(vectors[a:a + block]).T
+        local = _block_topk(s, k)
+        cand_s = np.concatenate([best_s, np.take_along_axis(s, local, 1)], axis=1)
+        cand_i = np.concatenate([best_i, local + a], axis=1)
+        order = np.lexsort((cand_i, -cand_s), axis=1)[:, :k]  # score desc, then index asc
+        best_s, best_i = np.take_along_axis(cand_s, order, 1), np.take_along_axis(cand_i, order, 1)
+    return best_s, best_i
+
+
+class FlatSearch:
+    """FAISS exact inner-product search over a memory-mapped (N, d) array without copying it into an index
+    (an IndexFlatIP would hold all N x d floats in anonymous memory)."""
+
+    def __init__(self, vectors: np.ndarray):
+        self.vectors, self.ntotal = vectors, len(vectors)
+
+    def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        faiss = _faiss()
+        return faiss.knn(np.ascontiguousarray(q, np.float32), self.vectors, k, metric=faiss.METRIC_INNER_PRODUCT)
+
+
+# ------------------------------------------------------------------------------------------------- build
+
+def _write_json(path: Path, obj: dict) -> None:
+    """Atomically: a reader (or a resumed build) never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def corpus_shards(corpus: dict[str, list[str]] | str | Path, size: int) -> tuple[int, Iterator]:
+    """(N, iterator of pyarrow Tables with columns id, title, text of `size` rows each, the last shorter).
+    `corpus` is a {column: list} dict or a corpus parquet file, which is streamed (bounded memory)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cols = ["id", "title", "text"]
+    if isinstance(corpus, dict):
+        t = pa.table({c: pa.array(corpus[c], pa.string()) for c in cols})
+        return len(t), (t.slice(a, size) for a in range(0, len(t), size))
+    f = pq.ParquetFile(corpus)
+
+    def rebatch():  # parquet batches end at row-group boundaries: regroup them into shards of exactly `size`
+        buf, have = [], 0
+        for b in f.iter_batches(batch_size=min(size, 65_536), columns=cols):
+            buf.append(b)
+            have += b.num_rows
+            while have >= size:
+                t = pa.Table.from_batches(buf)
+                rest = t.slice(size)
+                yield t.slice(0, size)
+                buf, have = rest.to_batches(), rest.num_rows
+        if have:
+            yield pa.Table.from_batches(buf)
+
+    return f.metadata.num_rows, rebatch()
+
+
+def build_embeddings(shards: Iterator, n: int, encode: Callable[[list[str]], np.ndarray], work: str | Path,
+                     key: dict, prefix: str = "", passages_file: str | Path | None = None,
+                     progress: bool = False) -> dict:
+    """Encode `n` passages shard by shard into `work`/embeddings.npy (n, d) float32, resumably.
+
+    shards: pyarrow Tables (id, title, text), consecutive, each `key["shard_passages"]` rows but the last.
+    After each shard its rows are flushed to disk, then `work`/manifest.json records it (atomically) with a
+    sha1 of the texts it encoded; a rerun with the same key encodes only the shards not recorded (or whose
+    texts changed). Every shard is still read (passages_file, if given, is rewritten from them as Arrow IPC).
+    Peak memory: one shard (its texts + encode's output + the file pages it writes), not n.
+    Returns the manifest."""
+    import pyarrow as pa
+
+    work = Path(work)
+    path, mpath = work / "embeddings.npy", work / "manifest.json"
+    man = json.loads(mpath.read_text()) if mpath.is_file() else {}
+    if man.get("key") != key or man.get("passages") != n or not path.is_file():
+        if man:
+            print(f"{work}: other settings or corpus than its manifest: building from scratch")
+        shutil.rmtree(work, ignore_errors=True)
+        man = {"key": key, "passages": n, "dim": None, "shards": {}}
+    work.mkdir(parents=True, exist_ok=True)
+    writer = None
+    if passages_file:
+        schema = pa.schema([(c, pa.string()) for c in ("id", "title", "text")])
+        writer = pa.ipc.new_file(str(passages_file) + ".tmp", schema)
+    start, todo, seconds = 0, 0, 0.0
+    for i, t in enumerate(tqdm(shards, desc="shards", unit="shard", disable=not progress)):
+        docs = [f"{prefix}{a}\n{b}" for a, b in zip(t.column("title").to_pylist(), t.column("text").to_pylist())]
+        digest = hashlib.sha1("\0".join(docs).encode()).hexdigest()
+        if writer is not None:
+            writer.write_table(t)
+        done = man["shards"].get(str(i))
+        if not (done and done["sha1"] == digest and done["rows"] == [start, start + len(docs)]):
+            t0 = time.perf_counter()
+            x = encode(docs)
+            if man["dim"] is None:  # the file is created once the dimension is known (sparse until written)
+                man["dim"] = int(x.shape[1])
+                np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, man["dim"]))
+                _write_json(mpath, man)
+            # a fresh mapping per shard, unmapped after: the written pages leave the process's RSS (they
+            # stay in the page cache, which the kernel may drop once flushed), so RSS does not grow with n
+            mm = np.load(path, mmap_mode="r+")
+            mm[start:start + len(docs)] = x
+            mm.flush()  # on disk before the manifest says so
+            del mm, x
+            man["shards"][str(i)] = {"rows": [start, start + len(docs)], "sha1": digest,
+                                     "seconds": round(time.perf_counter() - t0, 3)}
+            _write_json(mpath, man)
+            todo, seconds = todo + 1, seconds + man["shards"][str(i)]["seconds"]
+        start += len(docs)
+    if writer is not None:
+        writer.close()
+        os.replace(str(passages_file) + ".tmp", passages_file)
+    if start != n:
+        raise ValueError(f"corpus gave {start} passages, expected {n}")
+    man["encoded_this_run"], man["encode_seconds_this_run"] = todo, seconds
+    return man
+
+
+def _build_faiss(vectors: np.ndarray, factory: str, search: str, work: Path, seed: int = 0) -> dict:
+    """Train + fill an approximate FAISS index from the memory-mapped vectors (added block by block), save it
+    as `work`/faiss.index, and measure its recall@RECALL_K against exact search on RECALL_SAMPLE stored
+    vectors used as queries."""
+    faiss = _faiss()
+    n, d = vectors.shape
+    index = faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT)
+    rng = np.random.default_rng(seed)
+    if not index.is_trained:  # a sorted sample: training reads at most 1M rows, not the whole file
+        index.train(np.asarray(vectors[np.sort(rng.choice(n, min(n, 1_000_000), replace=False))]))
+    for a in range(0, n, 262_144):
+        index.add(np.asarray(vectors[a:a + 262_144]))
+    if search:
+        faiss.ParameterSpace().set_index_parameters(index, search)
+    faiss.write_index(index, str(work / "faiss.index"))
+    q = np.asarray(vectors[np.sort(rng.choice(n, min(n, RECALL_SAMPLE), replace=False))])
+    k = min(RECALL_K, n)
+    _, approx = index.search(q, k)
+    _, exact = FlatSearch(vectors).search(q, k)
+    recall = float(np.mean([len(set(a) & set(e)) / k for a, e in zip(approx.tolist(), exact.tolist())]))
+    return {"factory": factory, "search": search, "recall_at_k": round(recall, 4), "k": k, "queries": len(q)}
+
+
+def _params(params: dict | None) -> dict:
+    p = {**DEFAULTS, **(params or {})}
+    unknown = set(p) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown dense retrieval parameters {sorted(unknown)} (known: {sorted(DEFAULTS)})")
+    return p
+
+
+def build_index(corpus: dict[str, list[str]] | str | Path, out_dir: str | Path, params: dict | None = None,
+                record: dict | None = None, online: bool = False, encoder=None, progress: bool = True) -> dict:
+    """Build the index directory `out_dir` from a corpus ({column: list} or its parquet file, streamed) in
+    `<out_dir>.partial/`, renamed into place when complete (an interrupted build resumes there).
+    `encoder`: anything with `encode(texts) -> (n, d) float32` (default: the configured e5 model, loaded
+    only if a shard is left to encode). Returns {"passages", "build_seconds"} (all runs' encoding included)."""
+    p = _params(params)
+    out = Path(out_dir)
+    work = out.with_name(out.name + ".partial")
+    t0 = time.perf_counter()
+    n, shards = corpus_shards(corpus, p["shard_passages"])
+    if n == 0:
+        raise ValueError("dense index: the corpus is empty")
+
+    def encode(docs):
+        nonlocal encoder
+        if encoder is None:
+            encoder = E5Encoder(p["model"], p["device"], p["dtype"], p["max_length"], p["batch_size"], online)
+        return encoder.encode(docs)
+
+    key = {k: p[k] for k in EMBEDDING_KEYS}
+    man = build_embeddings(shards, n, encode, work, key, p["passage_prefix"], work / "passages.arrow", progress)
+    faiss_info = None
+    if p["faiss_factory"] != "Flat":
+        if _faiss() is None:
+            raise ImportError(f"faiss_factory {p['faiss_factory']!r} needs faiss (pip install faiss-cpu)")
+        faiss_info = _build_faiss(np.load(work / "embeddings.npy", mmap_mode="r"), p["faiss_factory"],
+                                  p["faiss_search"], work)
+        print(f"faiss {p['faiss_factory']}: recall@{faiss_info['k']} {faiss_info['recall_at_k']:.4f} vs exact")
+    # build time: this run's, less its encoding, plus every shard's encoding (of this or earlier runs)
+    seconds = time.perf_counter() - t0 - man["encode_seconds_this_run"] + sum(s["seconds"] for s in man["shards"].values())
+    _write_json(work / "meta.json", {"backend": "e5", "params": p, "passages": n, "dim": man["dim"],
+                                     "build_seconds": seconds, "faiss": faiss_info, "config": record or {}})
+    shutil.rmtree(out, ignore_errors=True)
+    work.rename(out)
+    return {"passages": n, "build_seconds": seconds, "encoded_shards": man["encoded_this_run"], "faiss": faiss_info}
+
+
+# ------------------------------------------------------------------------------------------------ retriever
 
 class DenseRetriever(Retriever):
+    """Searches a built index directory (see the module docstring); `vectors` (N, d) is memory-mapped and
+    `passages` a memory-mapped pyarrow Table (id, title, text)."""
+
     backend = "e5"
 
-    def __init__(self, encoder: E5Encoder, vectors: np.ndarray, ids: list[str], titles: list[str],
-                 texts: list[str], params: dict):
-        self.encoder, self.ids, self.titles, self.texts, self.params = encoder, ids, titles, texts, params
-        self.vectors = vectors  # kept for the numpy path and for saving
-        self.index = None
-        faiss = _faiss()
-        if faiss is not None:
-            self.index = faiss.index_factory(vectors.shape[1], params["faiss_factory"], faiss.METRIC_INNER_PRODUCT)
-            if not self.index.is_trained:
-                self.index.train(vectors)
-            self.index.add(vectors)
+    def __init__(self, encoder, vectors: np.ndarray, passages, params: dict, index=None):
+        self.encoder, self.vectors, self.passages, self.params = encoder, vectors, passages, params
+        self.index = None  # anything with search(q, k) -> (scores, ids); None: exact numpy search
+        if _faiss() is not None:
+            self.index = FlatSearch(vectors) if params["faiss_factory"] == "Flat" else index
         elif params["faiss_factory"] != "Flat":
             raise ImportError(f"faiss_factory {params['faiss_factory']!r} needs faiss (pip install faiss-cpu)")
 
     @classmethod
-    def build(cls, corpus: dict[str, list[str]], params: dict | None = None, online: bool = False,
-              progress: bool = True) -> "DenseRetriever":
-        p = {**DEFAULTS, **(params or {})}
-        unknown = set(p) - set(DEFAULTS)
-        if unknown:
-            raise ValueError(f"unknown dense retrieval parameters {sorted(unknown)} (known: {sorted(DEFAULTS)})")
-        enc = E5Encoder(p["model"], p["device"], p["dtype"], p["max_length"], p["batch_size"], online)
-        docs = [f"{p['passage_prefix']}{t}\n{x}" for t, x in zip(corpus["title"], corpus["text"])]
-        return cls(enc, enc.encode(docs, progress), list(corpus["id"]), list(corpus["title"]),
-                   list(corpus["text"]), p)
-
-    def save(self, out_dir: str | Path, record: dict | None = None, build_seconds: float | None = None) -> None:
-        """Write the index directory atomically (a temporary directory renamed into place)."""
-        write_index_dir(out_dir, lambda d: np.save(d / "embeddings.npy", self.vectors), self.ids, self.titles, self.texts,
-                        {"backend": self.backend, "params": self.params, "passages": len(self.ids),
-                         "dim": int(self.vectors.shape[1]), "build_seconds": build_seconds, "config": record or {}})
-
-    @classmethod
     def load(cls, index_dir: str | Path, device: str | None = None, model: str | None = None,
-             online: bool = False) -> "DenseRetriever":
-        """Reopen a saved index; `model` overrides the encoder location (e.g. a local copy)."""
+             online: bool = False, encoder=None) -> DenseRetriever:
+        """Reopen a saved index; `model` overrides the encoder location (e.g. a local copy), `encoder`
+        replaces the encoder (anything with `encode(texts) -> (n, d)`)."""
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         d = Path(index_dir)
         meta = json.loads((d / "meta.json").read_text())
-        p = meta["params"] | ({"device": device} if device else {}) | ({"model": model} if model else {})
-        enc = E5Encoder(p["model"], p["device"], p["dtype"], p["max_length"], p["batch_size"], online)
-        t = pq.read_table(d / "passages.parquet")
-        vectors = np.load(d / "embeddings.npy", mmap_mode="r")
-        return cls(enc, np.ascontiguousarray(vectors), t.column("id").to_pylist(), t.column("title").to_pylist(),
-                   t.column("text").to_pylist(), p)
+        p = _params(meta["params"]) | ({"device": device} if device else {}) | ({"model": model} if model else {})
+        if encoder is None:
+            encoder = E5Encoder(p["model"], p["device"], p["dtype"], p["max_length"], p["batch_size"], online)
+        if (d / "passages.arrow").is_file():
+            passages = pa.ipc.open_file(pa.memory_map(str(d / "passages.arrow"))).read_all()  # zero-copy
+        else:  # an index built before passages.arrow
+            passages = pq.read_table(d / "passages.parquet", columns=["id", "title", "text"])
+        index = None
+        if p["faiss_factory"] != "Flat" and _faiss() is not None:
+            index = _faiss().read_index(str(d / "faiss.index"))
+            if p["faiss_search"]:
+                _faiss().ParameterSpace().set_index_parameters(index, p["faiss_search"])
+        return cls(encoder, np.load(d / "embeddings.npy", mmap_mode="r"), passages, p, index)
 
     def search(self, queries: Sequence[str], k: int = 3) -> list[list[Hit]]:
+        import pyarrow as pa
+
         if isinstance(queries, str):
             raise TypeError("search takes a list of queries (batched); wrap a single query in a list")
         if k < 1:
             raise ValueError(f"k must be positive, got {k}")
-        k = min(k, len(self.ids))
+        k = min(k, len(self))
         if not len(queries):
             return []
-        q = self.encoder.encode([self.params["query_prefix"] + x for x in queries])
+        q = np.asarray(self.encoder.encode([self.params["query_prefix"] + x for x in queries]), np.float32)
         if self.index is not None:
             scores, idx = self.index.search(q, k)
-        else:  # exact inner product, stable order on ties
-            sims = q @ self.vectors.T
-            idx = np.argsort(-sims, axis=1, kind="stable")[:, :k]
-            scores = np.take_along_axis(sims, idx, axis=1)
-        return [[Hit(self.ids[j], self.titles[j], self.texts[j], float(s)) for j, s in zip(ri, rs) if j >= 0]
-                for ri, rs in zip(idx.tolist(), scores.tolist())]
+        else:
+            scores, idx = exact_search(q, self.vectors, k, self.params["search_block"])
+        rows = [[(j, float(s)) for j, s in zip(ri, rs) if j >= 0] for ri, rs in zip(idx.tolist(), scores.tolist())]
+        got = self.passages.take(pa.array([j for r in rows for j, _ in r], pa.int64())).to_pydict()
+        it = iter(zip(got["id"], got["title"], got["text"]))
+        return [[Hit(*next(it), s) for _, s in r] for r in rows]
 
     def __len__(self) -> int:
-        return len(self.ids)
-
-
-def build_index(corpus: dict[str, list[str]], out_dir: str | Path, params: dict | None = None,
-                record: dict | None = None, online: bool = False) -> dict:
-    t0 = time.perf_counter()
-    r = DenseRetriever.build(corpus, params, online)
-    seconds = time.perf_counter() - t0
-    r.save(out_dir, record, seconds)
-    return {"passages": len(r), "build_seconds": seconds}
+        return len(self.vectors)

@@ -24,16 +24,17 @@ def index_step(cfg: dict, corpus_path: str | Path, out_dir: str | Path, online: 
     backend = cfg.get("backend", "bm25")
     if backend not in BACKENDS:
         raise ValueError(f"retrieval.backend: unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
-    corpus = read_corpus(corpus_path)
     record = {"retrieval": cfg, "corpus": str(corpus_path)}
     if backend == "bm25":
         from memopd.retrieval.bm25 import build_index
 
-        info = build_index(corpus, out_dir, cfg.get("bm25"), record)
-    else:
+        info = build_index(read_corpus(corpus_path), out_dir, cfg.get("bm25"), record)
+    else:  # streams the parquet shard by shard (21M passages at paper scale), resumable
         from memopd.retrieval.dense import build_index
 
-        info = build_index(corpus, out_dir, cfg.get("dense"), record, online=online)
+        if not Path(corpus_path).is_file():
+            raise FileNotFoundError(f"corpus {corpus_path} not found (build it with `memopd retrieval corpus`)")
+        info = build_index(corpus_path, out_dir, cfg.get("dense"), record, online=online)
     print(f"index ({backend}): {info['passages']:,} passages in {info['build_seconds']:.2f} s -> {out_dir}")
     return info
 
