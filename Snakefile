@@ -17,6 +17,7 @@ report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/prefetch.smk"
 include: "workflow/rules/tracking.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/benchmarks.smk"

@@ -19,7 +19,7 @@ TARGET = "results/audit/rce_smoke.json"
 OUTPUTS = ["results/models/tokenizer/tokenizer.json", "results/models/student_init/model.safetensors",
            "results/audit/rce_smoke.json", "results/audit/rce_smoke.csv"]
 # Submitted per rule, and the CPUs / memory config/config.yaml gives each.
-EXPECTED = {"tokenizer": (2, 2000), "model_init": (1, 2000), "rce_smoke": (2, 2000)}
+EXPECTED = {"tokenizer": (2, 4000), "model_init": (1, 4000), "rce_smoke": (2, 5000)}
 HOW_TO_START = "start one with `bash tests/slurm/start_cluster.sh` (root, Debian/Ubuntu; .ci/run does)"
 
 
@@ -43,6 +43,16 @@ def _test_cluster_problem() -> str | None:
     return None
 
 
+def _tiny(wd):
+    """wd/config/tiny.yaml: config/config.yaml with tiny random student and teacher (tests/agent_support)."""
+    from agent_support import TINY_MODELS
+
+    cfg = yaml.safe_load((wd / "config/config.yaml").read_text())
+    cfg["models"].update({role: dict(arch) for role, arch in TINY_MODELS.items()})
+    (wd / "config/tiny.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return wd
+
+
 @pytest.fixture(scope="module")
 def cluster():
     problem = _test_cluster_problem()
@@ -56,10 +66,12 @@ def _job_fields(jobid: str) -> dict:
 
 
 def test_smoke_target_through_slurm_matches_local_run(cluster, tmp_path):
-    local = workflow_copy(tmp_path / "local")
-    snakemake(local, "-c", "2", TARGET, timeout=600)
+    # the embedded default with the unit tests' tiny models (a tokenizer, a random model and its RCE in ~1 min; the
+    # default's SmolLM2 would spend minutes de-quantising and scoring the same DAG shape)
+    local = _tiny(workflow_copy(tmp_path / "local"))
+    snakemake(local, "-c", "2", "--configfile", "config/tiny.yaml", TARGET, timeout=600)
 
-    wd = workflow_copy(tmp_path / "slurm")
+    wd = _tiny(workflow_copy(tmp_path / "slurm"))
     # This cluster's settings, through the same untracked site file a user writes: no accounting
     # database, so job status comes from squeue (slurm.conf keeps finished jobs, MinJobAge); keep the
     # SLURM logs of successful jobs to check them.
@@ -69,7 +81,7 @@ def test_smoke_target_through_slurm_matches_local_run(cluster, tmp_path):
         "slurm-keep-successful-logs": True,
         "latency-wait": 5,
     }))
-    r = snakemake(wd, TARGET, "--profile", "slurm", "--configfile", "config/config.yaml", timeout=540)
+    r = snakemake(wd, TARGET, "--profile", "slurm", "--configfile", "config/tiny.yaml", timeout=540)
     log = r.stdout + r.stderr
 
     # Every step went through sbatch: "Job 2 has been submitted with SLURM jobid 17 (log: ...)", and

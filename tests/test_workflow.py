@@ -43,7 +43,7 @@ def test_bad_config_stops_the_run_naming_it(tmp_path, mutate, needle):
 def test_dry_run_lists_the_targets():
     res = snakemake("-n", "--forceall", "--quiet", "rules")  # --forceall: whatever results/ already holds
     assert res.returncode == 0, res.stderr
-    for rule in ("tokenizer", "model_init", "rce_smoke"):
+    for rule in ("model_base", "model_init", "rce_smoke"):
         assert rule in res.stdout + res.stderr
 
 
@@ -63,7 +63,7 @@ def _dry_run_blocks(text):
 
 
 def test_matched_control_target_needs_exactly_its_runs(tmp_path):
-    """Control seeds [7] (train.seeds 0-4): the table reads the three seed-7 runs on q2_test, and its
+    """Control seeds [7] (train.seeds [0]): the table reads the three seed-7 runs on q2_test, and its
     target builds those runs only; `all` builds them next to the main runs."""
     cfg = _bad_config(tmp_path, lambda c: c["train"]["matched_control"].update(seeds=[7]))
     res = snakemake("results/tables/matched_control.csv", "-n", "--forceall", "--configfile", str(cfg))
@@ -76,22 +76,22 @@ def test_matched_control_target_needs_exactly_its_runs(tmp_path):
     assert job["log"] and job["benchmark"]
     assert sorted(b["wildcards"] for b in blocks["train"]) == sorted(f"method={m}, seed=7" for m in
                                                                       ("memopd", "memopd_persistent", "ppo"))
-    assert sorted(b["wildcards"] for b in blocks["eval"]) == sorted(f"model={m}_seed7" for m in
+    assert sorted(b["wildcards"] for b in blocks["eval"]) == sorted(f"model={m}_seed7, benchmark=q2_test" for m in
                                                                      ("memopd", "memopd_persistent", "ppo"))
     assert "results_tables" not in blocks and "audit_episodes" not in blocks
     res = snakemake("all", "-n", "--forceall", "--configfile", str(cfg))
     assert res.returncode == 0, res.stdout + res.stderr
     blocks = _dry_run_blocks(res.stdout)
-    assert len(blocks["train"]) == 18 and len(blocks["matched_control"]) == 1  # 15 main runs + 3 for the control
+    assert len(blocks["train"]) == 6 and len(blocks["matched_control"]) == 1  # 3 main runs + 3 for the control
 
 
 def test_all_includes_the_matched_control_and_reuses_the_main_runs():
-    """Embedded default: the control's seeds are train.seeds, so `all` trains 15 runs, not more, and
-    results_tables (Tables 1-2) no longer writes the control's table."""
+    """Embedded default: the control's seeds are train.seeds, so `all` trains 3 runs (1 seed x 3 methods), not
+    more, and results_tables (Tables 1-2) no longer writes the control's table."""
     res = snakemake("all", "-n", "--forceall")
     assert res.returncode == 0, res.stdout + res.stderr
     blocks = _dry_run_blocks(res.stdout)
-    assert len(blocks["train"]) == 15 and len(blocks["matched_control"]) == 1
+    assert len(blocks["train"]) == 3 and len(blocks["matched_control"]) == 1
     (tables,) = blocks["results_tables"]
     assert "matched_control" not in tables["output"]
     cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())["train"]

