@@ -219,6 +219,9 @@ def cmd_rce_rollouts(args, cfg):
     from memopd.rce import tolerance_fields, tolerances
 
     rc = cfg["rce_rollouts"]
+    if rc.get("gpu_memory_utilization") is not None:  # the engine stays up while the model scores beside it
+        cfg = {**cfg, "rollout": {**cfg["rollout"], "vllm": {**cfg["rollout"].get("vllm", {}),
+                                                              "gpu_memory_utilization": rc["gpu_memory_utilization"]}}}
     backend, tok, model, retriever, agent = _agent_setup(args, cfg, max_new_tokens=rc["max_new_tokens"])
     tasks = load_tasks(args.benchmark, limit=args.limit or rc["tasks"])
     if model is None or str(model.dtype).split(".")[-1] != rc["dtype"]:

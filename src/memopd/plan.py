@@ -53,10 +53,18 @@ S ways a model is sharded (W under FSDP, else 1), G = plan.gpu_memory_gb.
                                                       fp32 logits, log-softmax, softmax and their gradient
                                                       of C rows (an allowance, not measured); n models at
                                                       once (OPD: student + teacher)
-  RCE logits           N * V * (2b + 32)              rce.rce_backend: packed + independent logits of all N
-                                                      action tokens at once (b each), their float64 copies,
-                                                      difference and |difference| (rce.compare); the audits'
-                                                      comparisons likewise (STATE_BYTES, DIVERGENCE_BYTES)
+  RCE chunk            C * V * (2b + 32)              rce.rce_backend (RCE, the training guard, the context-
+                                                      update audit): full-vocabulary logits exist C = rce.CHUNK
+                                                      action positions at a time (COMPARE_CHUNK): packed and
+                                                      independent logits (b each), their float64 copies,
+                                                      difference and |difference| (rce.token_stats); the audits'
+                                                      chunks likewise (STATE_BYTES, DIVERGENCE_BYTES)
+  compared hidden      (N + N_pack) * h * b           the reference's final hidden states at all N action
+                                                      tokens (independent calls, run one at a time) + one
+                                                      pack's, from which the chunks' logits are computed
+  per-token values     N * 32                         what the statistics are reduced from: |d log p| (4),
+                                                      the row's max |d logit| (8), top-1 (1), targets (8), and
+                                                      a call's copies (an allowance)
   KV cache             tokens * L * 2 * kv * b        keys and values of every layer
   vLLM engine          util * G                       an engine takes gpu_memory_utilization of the whole GPU
                                                       at start; inside it: weights + KV of one max_model_len
@@ -90,10 +98,13 @@ GB = 1e9
 BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "auto": 2}
 DEFAULTS = {"gpu_memory_gb": 80, "disk_gb": 1000, "process_gb": 4.0, "cuda_context_gb": 1.0, "prompt_tokens": 512,
             "observation_overhead": 64, "models": {}, "corpus": None}
-# Bytes per (action token, vocabulary entry) of the full-vocabulary comparisons, besides the b-byte logits:
-RCE_BYTES = 32  # rce.compare: float64 copies of both logits (8 + 8), then logits - ref (8) and its .abs() (8)
-STATE_BYTES = 24  # audit.alignment.state_rows: float64 reference, float64 state logits, a float64 log-softmax
+# The full-vocabulary comparisons run on chunks of COMPARE_CHUNK action positions (= memopd.rce.CHUNK; not imported:
+# the plan needs no torch). Bytes per (position of a chunk, vocabulary entry), besides the b-byte logits:
+COMPARE_CHUNK = 1024
+RCE_BYTES = 32  # rce.token_stats: float64 copies of both logits (8 + 8), then logits - ref (8) and its .abs() (8)
+STATE_BYTES = 16  # audit.alignment.state_rows, one side at a time: float64 logits and their float64 log-softmax
 DIVERGENCE_BYTES = 56  # teacher_divergence: two float64 logits, two log-softmaxes, exp, difference, product
+TOKEN_BYTES = 32  # per-token values the statistics are reduced from (see "per-token values")
 
 
 # ---------------------------------------------------------------------------------------------- model specs
@@ -337,8 +348,8 @@ def _retriever(job: Job, cfg: dict, copies: int = 1, building: bool = False) -> 
     if building:
         sh = min(dense.get("shard_passages", n), n)
         text = corpus["text_gb"] * GB / n  # bytes per passage
-        job.host["index shard"] = (sh * (2 * d * 4 + 2 * text), f"shard_passages {sh:,} x (2 x {d} x 4 B + 2 x "
-                                                                  f"{text:.0f} B of text)")
+        job.host["index shard"] = (sh * (2 * d * 4 + 2 * text),
+                                   f"shard_passages {sh:,} x (2 x {d} x 4 B + 2 x {text:.0f} B of text)")
         return
     block, queries = dense.get("search_block", 65536), 512
     job.host["index (page cache)"] = (n * d * 4, f"{n:,} passages x {d} x 4 B, memory-mapped, shared by the job")
@@ -356,13 +367,14 @@ def _vllm(job: Job, cfg: dict, phase: str, spec: Spec, util: float, max_len: int
 
 
 def _rollouts(job: Job, cfg: dict, phase: str, spec: Spec, benchmark: str, max_new: int, episodes: int,
-              weights: bool = True) -> None:
-    """The agent's generation: a vLLM engine (rollout.backend vllm) or the model itself (hf: its weights unless
-    the caller holds them, `weights=False`, and the KV cache of the episodes generated together)."""
+              weights: bool = True, util: float | None = None) -> None:
+    """The agent's generation: a vLLM engine (rollout.backend vllm; its GPU share `util`, else rollout.vllm's, else
+    evaluate.make_backend's default 0.85) or the model itself (hf: its weights unless the caller holds them,
+    `weights=False`, and the KV cache of the episodes generated together)."""
     ro = cfg["rollout"]
     if ro.get("backend", "hf") == "vllm":
         v = ro.get("vllm", {})
-        _vllm(job, cfg, phase, spec, v.get("gpu_memory_utilization", 0.9), v.get("max_model_len", 16384))
+        _vllm(job, cfg, phase, spec, util or v.get("gpu_memory_utilization", 0.85), v.get("max_model_len", 16384))
         return
     dt, n = ro.get("dtype", "float32"), min(episodes, ro["batch_size"])
     tokens = call_input(cfg, max_new) + max_new
@@ -415,8 +427,9 @@ def plan_train(cfg: dict) -> list[Job]:
             f"T_pack {tokens} x one layer's activations")
     n = min(t["ppo"].get("rce_sample", 0), local)  # the RCE guard before every update (rce.guard -> rce_backend)
     if n:
-        job.add("scoring", "RCE guard logits", n * actions * pol.vocab * (2 * BYTES[dt] + RCE_BYTES),
-                f"{n} episodes x {actions} actions x V x (2 x {BYTES[dt]} + {RCE_BYTES}) B")
+        for term, nbytes, formula in _rce_terms(pol, BYTES[dt], n * actions, actions,
+                                                f"{n} episodes x {actions} actions"):
+            job.add("scoring", f"RCE guard: {term}", nbytes, formula)
     for ph in ("scoring", "update"):
         if opd:
             job.add(ph, "teacher hidden", local * actions * tea.hidden * BYTES[dt],
@@ -501,13 +514,24 @@ def plan_sft(cfg: dict) -> list[Job]:
     return jobs + [job]
 
 
-def _scoring(job: Job, cfg: dict, spec: Spec, dtype: str, tokens: int, what: str, n: int, per: int, why: str) -> None:
-    """A no-grad scoring job: weights, one layer's activations at a time, and full-vocabulary logits of n tokens."""
+def _scoring(job: Job, cfg: dict, spec: Spec, dtype: str, tokens: int, terms: list[tuple[str, float, str]]) -> None:
+    """A no-grad scoring job: weights, one layer's activations at a time, and the comparison's `terms`."""
     _common(job, cfg, "scoring")
     job.add("scoring", "weights", spec.weights(dtype), f"P {spec.params:,} x {BYTES[dtype]} B")
     job.add("scoring", "forward (no grad)", tokens * act_per_token(spec, dtype) / spec.layers,
             f"T_pack {tokens} x one layer's activations")
-    job.add("scoring", what, n * spec.vocab * per, f"{why}: N {n:,} x V x {per} B")
+    for term, nbytes, formula in terms:
+        job.add("scoring", term, nbytes, formula)
+
+
+def _rce_terms(spec: Spec, b: int, n: int, per_pack: int, why: str, c: int = COMPARE_CHUNK) -> list:
+    """rce.rce_backend over n action tokens (`why`), packs of up to `per_pack` of them: one chunk of both sides'
+    logits, the hidden states they come from, the per-token values."""
+    c = min(c, n)
+    return [("RCE chunk", c * spec.vocab * (2 * b + RCE_BYTES), f"C {c} x V x (2 x {b} + {RCE_BYTES}) B"),
+            ("compared hidden", (n + per_pack) * spec.hidden * b,
+             f"({why}: N {n:,} + one pack's {per_pack:,}) x h x {b} B"),
+            ("per-token values", n * TOKEN_BYTES, f"N {n:,} x {TOKEN_BYTES} B")]
 
 
 def plan_scoring(cfg: dict) -> list[Job]:
@@ -519,8 +543,8 @@ def plan_scoring(cfg: dict) -> list[Job]:
     calls, resp = rc["calls"], max(rc["response_tokens"])
     tokens = rc["prefix_tokens"] + calls * (max(rc["observation_tokens"]) + 2 * resp)  # a retained copy per call
     job = _job(cfg, "rce_smoke")
-    _scoring(job, cfg, st, rc["dtype"], tokens, "RCE logits", rc["episodes"] * calls * resp, 2 * b + RCE_BYTES,
-             f"{rc['episodes']} episodes x {calls} calls x {resp} tokens")
+    _scoring(job, cfg, st, rc["dtype"], tokens, _rce_terms(st, b, rc["episodes"] * calls * resp, calls * resp,
+                                                           f"{rc['episodes']} episodes x {calls} calls x {resp}"))
     jobs.append(job)
     rr = cfg["rce_rollouts"]  # rollouts (the engine stays up), then RCE of each rule's episodes at once
     audit = cfg["audit"]
@@ -528,12 +552,17 @@ def plan_scoring(cfg: dict) -> list[Job]:
     max_new = new_tokens(rr.get("max_new_tokens"), rr["benchmark"], ro["max_new_tokens"])
     tokens, actions = max(episode_tokens(cfg, rr["benchmark"], max_new, r) for r in rr.get("rules") or RULES)
     job = _job(cfg, "rce_rollouts")
-    _rollouts(job, cfg, "scoring", am, rr["benchmark"], max_new, rr["tasks"])
-    _scoring(job, cfg, am, rr["dtype"], tokens, "RCE logits", rr["tasks"] * actions, 2 * BYTES[rr["dtype"]] + RCE_BYTES,
-             f"{rr['tasks']} tasks x {actions} action tokens")
+    _rollouts(job, cfg, "scoring", am, rr["benchmark"], max_new, rr["tasks"], util=rr.get("gpu_memory_utilization"))
+    b, n = BYTES[rr["dtype"]], rr["tasks"] * actions
+    terms = _rce_terms(am, b, n, actions, f"{rr['tasks']} tasks x {actions} action tokens")
+    # agent.evaluate.behaviour_mismatch: rce.independent_token_logprobs, the LM head COMPARE_CHUNK tokens at a time
+    c = min(COMPARE_CHUNK, n)
+    terms.append(("behaviour chunk", c * am.vocab * (b + 8), f"evaluate.behaviour_mismatch: C {c} x V x ({b} + 4 + 4) B"))
+    _scoring(job, cfg, am, rr["dtype"], tokens, terms)
     _retriever(job, cfg)
     jobs.append(job)
     dt, bench = audit["dtype"], audit["benchmark"]
+    b = BYTES[dt]
     max_new = new_tokens(audit.get("max_new_tokens"), bench, ro["max_new_tokens"])
     tokens, actions = episode_tokens(cfg, bench, max_new, audit.get("rule"))
     for rule, n in (("audit_episodes", audit["episodes"]), ("audit_rule_episodes", audit["rule_episodes"])):
@@ -542,26 +571,46 @@ def plan_scoring(cfg: dict) -> list[Job]:
         _rollouts(job, cfg, "rollout", am, bench, max_new, n)
         _retriever(job, cfg)
         jobs.append(job)
-    n = min(8, audit["episodes"])  # audit.alignment.state_rows: 8 episodes at a time
+    n = min(8, audit["episodes"]) * actions  # audit.alignment.state_rows: 8 episodes at a time
+    c = min(COMPARE_CHUNK, n)
     for rule in ("audit_alignment", "audit_state_corruption"):
         job = _job(cfg, rule)
-        _scoring(job, cfg, am, dt, tokens, "state logits", n * actions, BYTES[dt] + STATE_BYTES,
-                 f"{n} episodes x {actions} action tokens")
+        _scoring(job, cfg, am, dt, tokens, [
+            ("state chunk", c * am.vocab * (b + STATE_BYTES), f"C {c} x V x ({b} + {STATE_BYTES}) B"),
+            ("compared hidden", 2 * n * am.hidden * b,
+             f"reference + state: 2 x {min(8, audit['episodes'])} episodes x {actions} action tokens x h x {b} B"),
+            ("per-token values", n * TOKEN_BYTES, f"N {n:,} x {TOKEN_BYTES} B")])
         jobs.append(job)
     job = _job(cfg, "audit_teacher_divergence")  # one episode at a time, exact and flattened teacher logits
-    _scoring(job, cfg, role_spec(cfg, model_role(audit["teacher"])), dt, tokens, "teacher logits", actions,
-             DIVERGENCE_BYTES, f"1 episode x {actions} action tokens")
+    te, c = role_spec(cfg, model_role(audit["teacher"])), min(COMPARE_CHUNK, actions)
+    _scoring(job, cfg, te, dt, tokens, [
+        ("teacher chunk", c * te.vocab * (b + DIVERGENCE_BYTES), f"C {c} x V x ({b} + {DIVERGENCE_BYTES}) B"),
+        ("compared hidden", 2 * actions * te.hidden * b, f"exact + flattened: 2 x {actions} action tokens x h_T x {b} B"),
+        ("per-token values", actions * TOKEN_BYTES, f"N {actions:,} x {TOKEN_BYTES} B")])
     jobs.append(job)
     tokens, actions = max(episode_tokens(cfg, bench, max_new, r) for r in RULES)
     job = _job(cfg, "audit_context_updates")
-    _scoring(job, cfg, am, dt, tokens, "RCE logits", audit["rule_episodes"] * actions, 2 * BYTES[dt] + RCE_BYTES,
-             f"{audit['rule_episodes']} episodes x {actions} action tokens")
+    _scoring(job, cfg, am, dt, tokens, _rce_terms(am, b, audit["rule_episodes"] * actions, actions,
+                                                  f"{audit['rule_episodes']} episodes x {actions} action tokens"))
     jobs.append(job)
-    real = audit["packing"]["real"]["episodes"]
-    job = _job(cfg, "audit_packing_efficiency")  # lm_logits of every real episode + an fp32 log-softmax
-    _scoring(job, cfg, am, dt, tokens, "logits", real * actions, BYTES[dt] + 8, f"{real} episodes x {actions} tokens")
-    jobs.append(job)
+    jobs.append(_packing_job(cfg, am, tokens, actions))
     return jobs
+
+
+def _packing_job(cfg: dict, am: Spec, tokens: int, actions: int) -> Job:
+    """audit_packing_efficiency on the real audit episodes (audit.packing.real, the audit model in fp32): every path's
+    hidden states at the sampled tokens, log-probs and RCE error `COMPARE_CHUNK` positions at a time (forward). The
+    synthetic sweep's tiny model is negligible. NOT modelled: the timed forward+backward of each path over all
+    `real` episodes at once (packing_bench.measure), whose fp32 activations (`act_per_token`) of up to real x
+    T_pack tokens exceed 80 GB at paper scale (8 x 25,856 tokens of the 3B student: ~1.8 TB)."""
+    real, dt = cfg["audit"]["packing"]["real"]["episodes"], "float32"
+    b, n, c = BYTES[dt], real * actions, min(COMPARE_CHUNK, actions)
+    job = _job(cfg, "audit_packing_efficiency")
+    _scoring(job, cfg, am, dt, tokens, [
+        ("logits chunk", c * am.vocab * (4 * b + 8),
+         f"RCE error: C {c} x V x (2 x {b} logits + 2 x 4 log-softmax + 2 x {b} difference) B"),
+        ("compared hidden", 2 * n * am.hidden * b, f"reference + path: 2 x {real} episodes x {actions} x h x {b} B")])
+    return job
 
 
 def plan_rollouts(cfg: dict) -> list[Job]:

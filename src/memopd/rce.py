@@ -5,12 +5,28 @@ independent call: |d log p| of the sampled token (max, p99, mean), full-vocabula
 and top-1 agreement; per call and overall. Pass/fail gates on BOTH max |d log p| <= tol["dlogp"] and
 max |d logit| <= tol["dlogit"] (the OPD term reads every logit, not only the sampled token's), with
 the tolerances chosen by compute dtype (`tolerances`) and stated in every report.
+
+Memory is bounded by a chunk of action positions, not by the number N of action tokens: the final hidden
+states of both sides are computed once ((N, h) is small: the reference call by call, the packed side one
+pack at a time), and the LM head, log-softmax and comparison run on `CHUNK` positions at a time, keeping
+only per-token values (|d log p|, the row's max |d logit|, top-1 agreement; N floats each) from which every
+statistic is reduced. The statistics are the ones the unchunked comparison gives (the same per-token values;
+max, quantile and mean of the same vectors), bitwise where the LM head computes a row the same whatever the
+number of rows in the product (a CPU BLAS rounds products of 1-3 rows differently, by ~1 ulp of a logit; so did
+the unchunked code, which ran the head per pack on one side and over all N rows on the other).
 """
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from memopd.attention import independent_logits, packed_logits, token_logprobs
+from memopd.attention import (
+    independent_hidden,
+    lm_logits,
+    packed_hidden,
+    packed_logits,
+    token_logprobs,
+)
 from memopd.packing import Packed, pack
 from memopd.records import Episode
 
@@ -51,6 +67,14 @@ RCE_TOLERANCES = {
     "float16": {"dlogp": 2e-2, "dlogit": 6.25e-2},
     "bfloat16": {"dlogp": 0.5, "dlogit": 1.0},
 }
+
+
+# Action positions per full-vocabulary chunk: at most (CHUNK, V) logits of each side are alive at a time
+# (V = 151,936: 0.6 GB per side in fp32, plus the float64 copies of `token_stats`). memopd.plan mirrors it.
+CHUNK = 1024
+# Above this many logit elements (N x V) `chunked_token_logprobs` recomputes a chunk's logits in the backward
+# instead of keeping them (as sft/loss.py does).
+_KEEP_LOGITS = 1 << 26
 
 
 class RCEError(AssertionError):
@@ -95,18 +119,88 @@ def gate(stats: dict, tol: dict[str, float]) -> dict:
     return {**stats, "passed": not failed, "failed_on": failed}
 
 
-def compare(ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict:
-    """(N, V), (N, V), (N,) -> the RCE statistics of one set of action tokens."""
+def spans(n: int, size: int = CHUNK) -> list[tuple[int, int]]:
+    """[start, stop) of the fewest consecutive chunks of at most `size` covering range(n), of balanced lengths
+    (no small tail chunk: a BLAS may round a matrix product of very few rows differently, ~1 ulp)."""
+    if size < 1:
+        raise ValueError(f"chunk size must be >= 1, got {size}")
+    k = -(-n // size)
+    return [(n * i // k, n * (i + 1) // k) for i in range(k)]
+
+
+def token_stats(ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """(n, V), (n, V), (n,) -> per-token values: "dlogp" |d log p| of the target (fp32, as `token_logprobs`
+    rounds), "dlogit" the row's full-vocabulary max |d logit| (float64), "top1" argmax agreement (bool)."""
     ref_logits, logits = ref_logits.double(), logits.double()
     dlp = (token_logprobs(logits, targets) - token_logprobs(ref_logits, targets)).abs()
+    return {"dlogp": dlp, "dlogit": (logits - ref_logits).abs().amax(-1),
+            "top1": logits.argmax(-1) == ref_logits.argmax(-1)}
+
+
+def cat_stats(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.cat([p[k] for p in parts]) for k in ("dlogp", "dlogit", "top1")}
+
+
+def summarize(tok: dict[str, torch.Tensor], index: torch.Tensor | None = None) -> dict:
+    """The RCE statistics of per-token values (`token_stats`), over `index` (default: all tokens)."""
+    if index is not None:
+        tok = {k: v[index.to(v.device)] for k, v in tok.items()}
+    dlp = tok["dlogp"]
     return {
         "max_abs_dlogp": dlp.max().item(),
         "p99_abs_dlogp": torch.quantile(dlp, 0.99).item(),
         "mean_abs_dlogp": dlp.mean().item(),
-        "max_abs_dlogit": (logits - ref_logits).abs().max().item(),
-        "top1_agreement": (logits.argmax(-1) == ref_logits.argmax(-1)).double().mean().item(),
-        "action_tokens": int(targets.numel()),
+        "max_abs_dlogit": tok["dlogit"].max().item(),
+        "top1_agreement": tok["top1"].double().mean().item(),
+        "action_tokens": int(dlp.numel()),
     }
+
+
+def compare(ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, chunk: int = CHUNK) -> dict:
+    """(N, V), (N, V), (N,) -> the RCE statistics of one set of action tokens (compared `chunk` rows at a time)."""
+    return summarize(cat_stats([token_stats(ref_logits[s:e], logits[s:e], targets[s:e])
+                                for s, e in spans(targets.numel(), chunk)]))
+
+
+def logit_chunks(model, hidden: torch.Tensor, chunk: int = CHUNK):
+    """(start, stop, logits) of (N, H) hidden states, `chunk` rows at a time."""
+    for s, e in spans(hidden.shape[0], chunk):
+        yield s, e, lm_logits(model, hidden[s:e])
+
+
+def packed_logit_chunks(model, packed: Packed, backend: str, chunk: int = CHUNK):
+    """(start, stop, logits) at the packed action positions: the decoder runs once; the LM head `chunk` positions
+    at a time (a pack with at most `chunk` actions is scored whole, by `packed_logits`)."""
+    n = packed.targets.numel()
+    if n <= chunk:
+        if n:
+            yield 0, n, packed_logits(model, packed, backend)
+        return
+    yield from logit_chunks(model, packed_hidden(model, packed, backend), chunk)
+
+
+def chunked_token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """(N, H), (N,) -> (N,) fp32 log p of each target, the LM head `chunk` rows at a time (= `token_logprobs` of
+    `lm_logits(model, hidden)`). Under autograd a chunk's logits are recomputed in the backward once N x V
+    exceeds _KEEP_LOGITS, so at most one chunk of logits is alive forward or backward."""
+    if hidden.shape[0] == 0:
+        return hidden.new_zeros(0, dtype=torch.float32)
+    targets = targets.to(hidden.device)
+
+    def lp(h, t):
+        return token_logprobs(lm_logits(model, h), t)
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    recompute = torch.is_grad_enabled() and hidden.requires_grad and hidden.shape[0] * vocab > _KEEP_LOGITS
+    return torch.cat([checkpoint(lp, hidden[s:e], targets[s:e], use_reentrant=False) if recompute
+                      else lp(hidden[s:e], targets[s:e]) for s, e in spans(hidden.shape[0], chunk)])
+
+
+@torch.no_grad()
+def independent_token_logprobs(model, episodes, targets: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """`token_logprobs(independent_logits(model, episodes), targets)` without the (N, V) logits: every call run
+    alone (hidden states), the LM head `chunk` positions at a time."""
+    return chunked_token_logprobs(model, independent_hidden(model, episodes), targets, chunk)
 
 
 def _per_call(packed: Packed) -> list[tuple[int, int, torch.Tensor]]:
@@ -120,39 +214,48 @@ def _per_call(packed: Packed) -> list[tuple[int, int, torch.Tensor]]:
 @torch.no_grad()
 def rce_backend(model, episodes: list[Episode], backend: str, tolerance: float | dict | None = None,
                 layout: str = "exact", ref_logits: torch.Tensor | None = None, max_len: int | None = None,
-                dtype: str = "float32") -> dict:
+                dtype: str = "float32", ref_hidden: torch.Tensor | None = None, chunk: int = CHUNK) -> dict:
     """RCE of one backend over `episodes` (packed together when they fit, one pack each otherwise), gated
-    on both quantities; `tolerance` as in `tolerances(dtype, tolerance)`."""
+    on both quantities; `tolerance` as in `tolerances(dtype, tolerance)`. The reference: `ref_hidden` (the
+    independent calls' final hidden states, (N, H)), else `ref_logits` ((N, V)), else computed here call by
+    call; the comparison runs `chunk` action positions at a time (see the module docstring)."""
     tol = tolerances(dtype, tolerance)
     packs = [pack(ep, max_len=max_len, layout=layout) for ep in episodes]
-    logits = torch.cat([packed_logits(model, p, backend) for p in packs])
-    targets = torch.cat([p.targets for p in packs])
-    if ref_logits is None:
-        ref_logits = independent_logits(model, episodes)
-    out = {**gate(compare(ref_logits, logits, targets), tol), **tolerance_fields(tol)}
+    if ref_logits is None and ref_hidden is None:
+        ref_hidden = independent_hidden(model, episodes)
+    parts, offset = [], 0
+    for p in packs:
+        for s, e, logits in packed_logit_chunks(model, p, backend, chunk):
+            a, b = offset + s, offset + e
+            ref = ref_logits[a:b] if ref_logits is not None else lm_logits(model, ref_hidden[a:b])
+            parts.append(token_stats(ref, logits, p.targets[s:e]))
+            del ref, logits
+        offset += p.targets.numel()
+    tok = cat_stats(parts)
+    out = {**gate(summarize(tok), tol), **tolerance_fields(tol)}
     calls, offset = [], 0
     for e, p in enumerate(packs):
-        n = p.targets.numel()
         for _, t, m in _per_call(p):
-            sel = m.nonzero().squeeze(-1) + offset
             calls.append({"episode": e, "task_id": episodes[e].task_id, "call": t,
-                          **gate(compare(ref_logits[sel], logits[sel], targets[sel]), tol)})
-        offset += n
+                          **gate(summarize(tok, m.nonzero().squeeze(-1) + offset), tol)})
+        offset += p.targets.numel()
     out["per_call"] = calls
     return out
 
 
 def rce_report(model, episodes: list[Episode], backends, dtype: str = "float32",
-               tolerance: float | dict | None = None, layout: str = "exact") -> dict:
-    """The RCE report of several backends against one independent reference. States the dtype and both
-    tolerances (tolerance_dlogp, tolerance_dlogit; `tolerance` repeats tolerance_dlogp for older readers)."""
+               tolerance: float | dict | None = None, layout: str = "exact", chunk: int = CHUNK) -> dict:
+    """The RCE report of several backends against one independent reference (its hidden states, computed once).
+    States the dtype and both tolerances (tolerance_dlogp, tolerance_dlogit; `tolerance` repeats tolerance_dlogp
+    for older readers)."""
     tol = tolerances(dtype, tolerance)
     with torch.no_grad():
-        ref = independent_logits(model, episodes)
+        ref = independent_hidden(model, episodes)
     report = {"dtype": dtype, "tolerance": tol["dlogp"], **tolerance_fields(tol), "layout": layout,
               "episodes": len(episodes), "backends": {}}
     for b in backends:
-        report["backends"][b] = rce_backend(model, episodes, b, tol, layout=layout, ref_logits=ref, dtype=dtype)
+        report["backends"][b] = rce_backend(model, episodes, b, tol, layout=layout, ref_hidden=ref, dtype=dtype,
+                                            chunk=chunk)
     report["passed"] = all(r["passed"] for r in report["backends"].values())
     return report
 
@@ -187,11 +290,11 @@ def failure_message(r: dict, backend: str, tol: dict[str, float], dtype: str | N
 
 
 def guard(model, episodes: list[Episode], backend: str, dtype: str = "float32",
-          tolerance: float | dict | None = None) -> dict:
+          tolerance: float | dict | None = None, chunk: int = CHUNK) -> dict:
     """Raise RCEError naming the failed quantity and the worst episode and call if packed scoring is not
     exact (max |d log p| or full-vocabulary max |d logit| above the dtype's tolerance)."""
     tol = tolerances(dtype, tolerance)
-    r = rce_backend(model, episodes, backend, tol, dtype=dtype)
+    r = rce_backend(model, episodes, backend, tol, dtype=dtype, chunk=chunk)
     if not r["passed"]:
         raise RCEError(failure_message(r, backend, tol, dtype))
     return r

@@ -114,15 +114,16 @@ def evaluate(tasks: list[Task], backend, tokenizer, retriever, agent: AgentConfi
 
 
 def behaviour_mismatch(model, episodes: list[Episode]) -> dict:
-    """|behaviour log-prob - independent recomputation| over the sampled tokens that carry one."""
-    from memopd.attention import independent_logits, token_logprobs
+    """|behaviour log-prob - independent recomputation| over the sampled tokens that carry one (each call run
+    alone; the LM head a chunk of tokens at a time, never all N x V logits: rce.independent_token_logprobs)."""
+    from memopd.rce import independent_token_logprobs
 
     eps = [e for e in episodes if all(i.logprobs is not None for i in e.invocations)]
     if not eps:
         return {"tokens": 0}
     with torch.no_grad():
-        ref = token_logprobs(independent_logits(model, eps),
-                             torch.tensor([t for e in eps for i in e.invocations for t in i.output_ids]))
+        ref = independent_token_logprobs(model, eps,
+                                         torch.tensor([t for e in eps for i in e.invocations for t in i.output_ids]))
     beh = torch.tensor([lp for e in eps for i in e.invocations for lp in i.logprobs], dtype=ref.dtype)
     d = (ref.cpu() - beh).abs()
     return {"tokens": int(d.numel()), "max_abs_dlogp": d.max().item(), "mean_abs_dlogp": d.mean().item(),

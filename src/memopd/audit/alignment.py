@@ -5,14 +5,18 @@ Every comparison is against the reference of running each call alone, at the sam
   teacher_divergence teacher on the flattened vs the exact state, by invocation index
   action_domain      the exact action mask vs the trajectory (info-masked) and response masks
   context_updates    RCE per memory-rewrite rule
+
+The full-vocabulary comparisons are chunked (memopd.rce.CHUNK action positions at a time): final hidden states
+of every state and of the reference are computed once, the LM head and log-softmax run on a chunk of
+positions, and only per-token values are kept; the statistics are those of the unchunked computation.
 """
 from __future__ import annotations
 
 import torch
 
-from memopd.attention import independent_logits, packed_logits
+from memopd.attention import independent_hidden, lm_logits, packed_hidden
 from memopd.packing import CONTEXT, corrupt, flatten_persistent, pack
-from memopd.rce import tolerances
+from memopd.rce import CHUNK, spans, tolerances
 from memopd.records import Episode
 
 STATES = {
@@ -24,13 +28,13 @@ STATES = {
 
 
 @torch.no_grad()
-def _state_logits(model, episodes: list[Episode], state: str) -> torch.Tensor:
-    """(N, V) logits predicting every sampled action token under a named state."""
+def _state_hidden(model, episodes: list[Episode], state: str) -> torch.Tensor:
+    """(N, H) final hidden states predicting every sampled action token under a named state."""
     if state == "independent_batched":
-        return independent_logits(model, episodes, batched=True)
+        return independent_hidden(model, episodes, batched=True)
     if state.startswith("packed_"):
-        return torch.cat([packed_logits(model, pack(ep), state[len("packed_"):]) for ep in episodes])
-    return torch.cat([packed_logits(model, STATES[state](ep), "sdpa") for ep in episodes])
+        return torch.cat([packed_hidden(model, pack(ep), state[len("packed_"):]) for ep in episodes])
+    return torch.cat([packed_hidden(model, STATES[state](ep), "sdpa") for ep in episodes])
 
 
 def _targets(episodes):
@@ -43,23 +47,32 @@ def _chunks(episodes, size):
 
 @torch.no_grad()
 def state_rows(model, episodes: list[Episode], states: list[str], clip: float = 0.2, dtype: str = "float32",
-               chunk: int = 8) -> list[dict]:
+               chunk: int = 8, logit_chunk: int = CHUNK) -> list[dict]:
     """One row per state: |d log p| of sampled tokens vs independent calls (p99, max, mean), top-1 changes,
     and the false PPO clip rate (share of actions whose ratio exp(l_state - l_independent) leaves
     [1-clip, 1+clip] although the weights are identical). Episodes go `chunk` at a time (the batched
-    reference pads each chunk's calls together), so memory stays bounded on many trajectories."""
+    reference pads each chunk's calls together), so memory stays bounded on many trajectories; full-vocabulary
+    logits exist `logit_chunk` action positions at a time."""
     dlp = {s: [] for s in states}
     top1 = {s: 0 for s in states}
     for eps in _chunks(episodes, chunk):
-        ref = independent_logits(model, eps).double()
-        targets = _targets(eps).to(ref.device)
-        ref_lp = torch.log_softmax(ref, -1).gather(-1, targets[:, None]).squeeze(-1)
-        ref_top = ref.argmax(-1)
+        ref_h = independent_hidden(model, eps)
+        targets = _targets(eps).to(ref_h.device)
+        cuts = spans(targets.numel(), logit_chunk)
+        ref_lp, ref_top = [], []
+        for s, e in cuts:  # the reference's per-token values, one chunk of (chunk, V) logits at a time
+            ref = lm_logits(model, ref_h[s:e]).double()
+            ref_lp.append(torch.log_softmax(ref, -1).gather(-1, targets[s:e, None]).squeeze(-1))
+            ref_top.append(ref.argmax(-1))
+            del ref
         for state in states:
-            logits = _state_logits(model, eps, state).double()
-            lp = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
-            dlp[state].append((lp - ref_lp).cpu())
-            top1[state] += int((logits.argmax(-1) != ref_top).sum())
+            h = _state_hidden(model, eps, state)
+            for (s, e), rlp, rtop in zip(cuts, ref_lp, ref_top):
+                logits = lm_logits(model, h[s:e]).double()
+                lp = torch.log_softmax(logits, -1).gather(-1, targets[s:e, None]).squeeze(-1)
+                dlp[state].append((lp - rlp).cpu())
+                top1[state] += int((logits.argmax(-1) != rtop).sum())
+                del logits
     rows = []
     for state in states:
         d = torch.cat(dlp[state])
@@ -89,20 +102,29 @@ def first_update_call(ep: Episode) -> int | None:
 
 
 @torch.no_grad()
-def teacher_divergence(teacher, episodes: list[Episode]) -> list[dict]:
+def teacher_divergence(teacher, episodes: list[Episode], logit_chunk: int = CHUNK) -> list[dict]:
     """Teacher distributions on the persistent flattening vs the exact state, at the sampled action
     tokens: one row per invocation index, then before / after the first memory update (calls before
     the first rewrite see the same tokens in both layouts, so they differ only by numerical noise).
-    mean_kl is KL(teacher on the exact state || teacher on the flattening), per action token, in nats."""
+    mean_kl is KL(teacher on the exact state || teacher on the flattening), per action token, in nats.
+    Full-vocabulary logits exist `logit_chunk` action positions at a time."""
     recs = []  # (episode, call index, after first update?, top1 same, |dlogp|, KL) per action token
     for e, ep in enumerate(episodes):
         exact, flat = pack(ep), flatten_persistent(ep)
-        le, lf = packed_logits(teacher, exact, "sdpa").double(), packed_logits(teacher, flat, "sdpa").double()
-        targets = exact.targets.to(le.device)
-        lpe, lpf = torch.log_softmax(le, -1), torch.log_softmax(lf, -1)
-        kl = (lpe.exp() * (lpe - lpf)).sum(-1)
-        dlp = (lpe.gather(-1, targets[:, None]) - lpf.gather(-1, targets[:, None])).abs().squeeze(-1)
-        same = le.argmax(-1) == lf.argmax(-1)
+        he, hf = packed_hidden(teacher, exact, "sdpa"), packed_hidden(teacher, flat, "sdpa")
+        targets = exact.targets.to(he.device)
+        kl, dlp, same = [], [], []
+        for s, t in spans(targets.numel(), logit_chunk):
+            le, lf = lm_logits(teacher, he[s:t]).double(), lm_logits(teacher, hf[s:t]).double()
+            lpe, lpf = torch.log_softmax(le, -1), torch.log_softmax(lf, -1)
+            kl.append((lpe.exp() * (lpe - lpf)).sum(-1))
+            tg = targets[s:t, None]
+            dlp.append((lpe.gather(-1, tg) - lpf.gather(-1, tg)).abs().squeeze(-1))
+            same.append(le.argmax(-1) == lf.argmax(-1))
+            del le, lf, lpe, lpf
+        if not same:
+            continue
+        kl, dlp, same = torch.cat(kl), torch.cat(dlp), torch.cat(same)
         calls = exact.call[exact.action_index]
         fu = first_update_call(ep)
         for j in range(targets.numel()):
@@ -181,13 +203,13 @@ def action_domain(episodes: list[Episode]) -> list[dict]:
 
 
 def context_update_rows(model, episodes_by_rule: dict[str, list[Episode]], backends: list[str],
-                        dtype: str = "float32") -> list[dict]:
-    """RCE per memory-rewrite rule and backend."""
+                        dtype: str = "float32", logit_chunk: int = CHUNK) -> list[dict]:
+    """RCE per memory-rewrite rule and backend (rce_report: chunked)."""
     from memopd.rce import rce_report
 
     rows = []
     for rule, eps in episodes_by_rule.items():
-        rep = rce_report(model, eps, backends, dtype=dtype)
+        rep = rce_report(model, eps, backends, dtype=dtype, chunk=logit_chunk)
         for b, r in rep["backends"].items():
             rows.append({"rule": rule, "backend": b, "episodes": len(eps),
                          "memory_updates": sum(1 for ep in eps for inv in ep.invocations if inv.retained),

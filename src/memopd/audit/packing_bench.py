@@ -8,6 +8,8 @@ forward (log-probs of the sampled tokens) and forward+backward (gradient of thei
 `repeats`, and each path's RCE error against the sequential reference (max |d log p| of the sampled
 tokens and full-vocabulary max |d logit|; `rce_exact` gates on both, at the fp32 tolerances), plus the
 token ratio R = independent tokens / packed tokens and the FLOP ratio (linear layers + attention pairs).
+Every path yields final hidden states at the sampled tokens; the LM head and log-softmax run on memopd.rce.CHUNK
+positions at a time (rce.chunked_token_logprobs, timed identically for every path), and so does the RCE error.
 """
 from __future__ import annotations
 
@@ -17,9 +19,14 @@ import time
 
 import torch
 
-from memopd.attention import independent_hidden, lm_logits, packed_hidden, token_logprobs
+from memopd.attention import (
+    independent_hidden,
+    lm_logits,
+    packed_hidden,
+    token_logprobs,
+)
 from memopd.packing import pack
-from memopd.rce import tolerances
+from memopd.rce import CHUNK, chunked_token_logprobs, spans, tolerances
 from memopd.records import Episode
 from memopd.synthetic import random_episode
 
@@ -74,22 +81,33 @@ def _run(fn, repeats: int) -> float:
 
 
 def _paths(model, episodes, backends):
-    """(path name -> function returning the (N, V) logits at the sampled action tokens, targets (N,))."""
+    """(path name -> function returning the (N, H) final hidden states at the sampled action tokens, targets (N,))."""
     packs = [pack(ep) for ep in episodes]
     targets = torch.cat([p.targets for p in packs])
 
     def independent(batched):
-        return lambda: lm_logits(model, independent_hidden(model, episodes, batched=batched))
+        return lambda: independent_hidden(model, episodes, batched=batched)
 
     paths = {"independent_sequential": independent(False), "independent_batched": independent(True)}
     for b in backends:
-        paths[f"packed_{b}"] = lambda b=b: lm_logits(model, torch.cat([packed_hidden(model, p, b) for p in packs]))
+        paths[f"packed_{b}"] = lambda b=b: torch.cat([packed_hidden(model, p, b) for p in packs])
     return paths, targets
 
 
-def _max_abs_diff(a: torch.Tensor, b: torch.Tensor, rows: int = 1024) -> float:
-    """max |a - b| over (N, V) logits, `rows` at a time (no full-size temporary at a 151,936 vocabulary)."""
-    return max([(a[i : i + rows] - b[i : i + rows]).abs().max().item() for i in range(0, len(a), rows)] or [0.0])
+def rce_error(model, ref_hidden: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor,
+              chunk: int = CHUNK) -> tuple[float, float]:
+    """(max |d log p| of the sampled tokens, full-vocabulary max |d logit|) of a path's hidden states against the
+    reference's, `chunk` positions of (chunk, V) logits at a time."""
+    dlogp, dlogit = [], []  # per-chunk maxima (tensors: a NaN propagates to the result)
+    targets = targets.to(hidden.device)
+    for s, e in spans(targets.numel(), chunk):
+        ref, logits = lm_logits(model, ref_hidden[s:e]), lm_logits(model, hidden[s:e])
+        dlogp.append((token_logprobs(logits, targets[s:e]) - token_logprobs(ref, targets[s:e])).abs().max())
+        dlogit.append((logits - ref).abs().max().float())
+        del ref, logits
+    if not dlogp:
+        return 0.0, 0.0
+    return torch.stack(dlogp).max().item(), torch.stack(dlogit).max().item()
 
 
 def rce_exact(row: dict, dtype: str = "float32") -> bool:
@@ -111,20 +129,17 @@ def measure(model, episodes: list[Episode], backends, repeats: int, kind: str = 
     n_ind = sum(len(i.input_ids) + len(i.output_ids) for ep in episodes for i in ep.invocations)
     R = n_ind / sum(len(pack(ep)) for ep in episodes)
     fr = flop_ratio(episodes, model)
-    logit_fns, targets = _paths(model, episodes, backends)
+    hidden_fns, targets = _paths(model, episodes, backends)
     with torch.no_grad():
-        ref = logit_fns["independent_sequential"]()
-        ref_lp = token_logprobs(ref, targets)
+        ref = hidden_fns["independent_sequential"]()
     results = {}
-    for name, logits_fn in logit_fns.items():
+    for name, hidden_fn in hidden_fns.items():
 
-        def fn(logits_fn=logits_fn):  # what is timed: the sampled tokens' log-probs
-            return token_logprobs(logits_fn(), targets)
+        def fn(hidden_fn=hidden_fn):  # what is timed: the sampled tokens' log-probs
+            return chunked_token_logprobs(model, hidden_fn(), targets)
 
         with torch.no_grad():
-            logits = logits_fn()
-            err = ((token_logprobs(logits, targets) - ref_lp).abs().max().item(), _max_abs_diff(logits, ref))
-            del logits
+            err = rce_error(model, ref, hidden_fn(), targets)
             t_fwd = _run(fn, repeats)
         t_fb = None
         if not (name == "packed_flex" and not torch.cuda.is_available()):  # flex backward: GPU only
