@@ -102,7 +102,7 @@ def _fill_store(d: Path, tracking: str) -> None:
     retriever().save(d / "index")
     cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     cfg = {k: cfg[k] for k in ("train", "agent", "rollout")}
-    cfg["train"].update(steps=2, batch_tasks=2, checkpoint_every=2)
+    cfg["train"].update(steps=2, batch_tasks=2, checkpoint_every=2, critic_layers=None)  # tiny students: 4 layers
     cfg["rollout"].update(max_new_tokens=16, batch_size=2)
     cfg["agent"].update(invalid_action="continue", max_observation_tokens=32, turns={"default": 2})
     ecfg = {**cfg, "eval": {"max_tasks": 2, "max_new_tokens": 16, "temperature": 0.0}}

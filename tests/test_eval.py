@@ -104,7 +104,7 @@ def test_evaluation_uses_the_training_rollout_budget_unless_the_config_says_othe
     override = {**paper, "eval": {**paper["eval"], "max_new_tokens": {"default": None, "q8_test": 320}}}
     assert _budgets(override) == {"q2_test": 1024, "q8_test": 320, "q16_test": 1024, "wikirag_test": 1024}
     embedded = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    assert _budgets(embedded) == {"q2_test": 64, "q8_test": 320, "q16_test": 512, "wikirag_test": 64}
+    assert _budgets(embedded) == {"q2_test": 96, "q8_test": 320, "wikirag_test": 96}
 
 
 def test_result_tables_state_the_evaluation_budget(tmp_path):
@@ -113,17 +113,18 @@ def test_result_tables_state_the_evaluation_budget(tmp_path):
 
     train = {"methods": ["ppo", "memopd"], "seeds": [0, 1], "horizons": {"q2_test": "Q2", "wikirag_test": "wikirag"},
              "student": "student_sft", "teacher": "teacher_sft", "steps": 2, "batch_tasks": 4}
-    for m in train["methods"]:
-        for s in train["seeds"]:
-            for b in train["horizons"]:
-                d = tmp_path / "eval" / f"{m}_seed{s}"
-                d.mkdir(parents=True, exist_ok=True)
-                (d / f"{b}.json").write_text(json.dumps({"em": 0.1 * s, "f1": 0.2, "peak_context_tokens": 100,
-                                                         "inference_time_s": 1.0, "dependency": 5.0,
-                                                         "max_new_tokens": 1024}))
+    for model in [f"{m}_seed{s}" for m in train["methods"] for s in train["seeds"]] + ["student_sft"]:
+        for b in train["horizons"]:
+            d = tmp_path / "eval" / model
+            d.mkdir(parents=True, exist_ok=True)
+            s = int(model[-1]) if model[-1].isdigit() else 0
+            (d / f"{b}.json").write_text(json.dumps({"em": 0.1 * s, "f1": 0.2, "peak_context_tokens": 100,
+                                                     "inference_time_s": 1.0, "dependency": 5.0,
+                                                     "max_new_tokens": 1024}))
+            (d / f"{b}.csv").write_text("task_id,em,f1\n" + "".join(f"t{i},{0.1 * s},{0.2}\n" for i in range(5)))
     main(["report", "results", "--cfg", json.dumps(train), "--eval-dir", str(tmp_path / "eval"), "--out-dir",
           str(tmp_path / "tables"), "--figure", str(tmp_path / "f1.png")])
-    for table in ("multiobjective", "wikirag"):
+    for table in ("multiobjective", "wikirag", "vs_student"):
         caption = (tmp_path / "tables" / f"{table}.md").read_text().splitlines()[0]
         assert "response budget 1024 new tokens per call" in caption, caption
     mixed = {("ppo", "q2_test"): {0: {"max_new_tokens": 64}}, ("ppo", "q8_test"): {0: {"max_new_tokens": 320}},

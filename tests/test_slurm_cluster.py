@@ -69,7 +69,7 @@ def test_smoke_target_through_slurm_matches_local_run(cluster, tmp_path):
     # the embedded default with the unit tests' tiny models (a tokenizer, a random model and its RCE in ~1 min; the
     # default's SmolLM2 would spend minutes de-quantising and scoring the same DAG shape)
     local = _tiny(workflow_copy(tmp_path / "local"))
-    snakemake(local, "-c", "2", "--configfile", "config/tiny.yaml", TARGET, timeout=600)
+    snakemake(local, "-c", "2", TARGET, "--configfile", "config/tiny.yaml", timeout=600)  # --configfile takes several
 
     wd = _tiny(workflow_copy(tmp_path / "slurm"))
     # This cluster's settings, through the same untracked site file a user writes: no accounting
