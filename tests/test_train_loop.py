@@ -409,3 +409,13 @@ def test_training_checkpoints_activations_when_configured(setup, tmp_path, monke
     with pytest.raises(ValueError, match="prefix_shared"):
         train_run(bad, "ppo", 0, d / "student", None, d / "q2_train.parquet", d / "index", tmp_path / "bad",
                   log=lambda *a: None)
+
+
+def test_activation_checkpointing_is_not_part_of_a_runs_identity():
+    """Recomputing layers changes how a step runs, not what it computes: a checkpoint resumes with it toggled."""
+    from memopd.train.loop import run_identity
+
+    cfg = {"train": {"lr_actor": 1e-5, "activation_checkpointing": False}, "agent": {}, "rollout": {}}
+    on = {**cfg, "train": {**cfg["train"], "activation_checkpointing": True}}
+    assert run_identity(cfg, "memopd", 0) == run_identity(on, "memopd", 0)
+    assert run_identity(cfg, "memopd", 0) != run_identity({**cfg, "train": {"lr_actor": 2e-5}}, "memopd", 0)
