@@ -69,20 +69,27 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
-def save_checkpoint(path: str | Path, model, optimizer, scheduler, meta: dict) -> None:
+def write_checkpoint_dir(path: str | Path, write_weights, state: dict, meta: dict) -> None:
+    """A checkpoint directory (model.safetensors via `write_weights(file)`, state.pt, meta.json), written to
+    `<dir>.tmp` and swapped in, so a kill at any point leaves the previous checkpoint or the new one whole."""
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
-               tmp / "state.pt")
+    write_weights(tmp / "model.safetensors")
+    torch.save(state, tmp / "state.pt")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         path.rename(old)
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(path: str | Path, model, optimizer, scheduler, meta: dict) -> None:
+    write_checkpoint_dir(path, lambda f: save_model(model, str(f)),
+                         {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
+                         meta)
 
 
 def read_meta(path: str | Path) -> dict | None:

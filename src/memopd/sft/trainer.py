@@ -51,6 +51,7 @@ from memopd.sft.checkpoint import (
     save_checkpoint,
     save_tensors,
     set_rng_state,
+    write_checkpoint_dir,
 )
 from memopd.sft.data import StepPlan, bin_pack, example_len, target_len
 from memopd.sft.loss import TargetLoss, target_loss
@@ -229,23 +230,11 @@ def save_sharded_checkpoint(path: str | Path, model, opt, sched, meta: dict, wri
     """A checkpoint of a sharded model in the layout of sft.checkpoint (collective: every rank calls it;
     `write` on rank 0): whole weights (save_tensors: tied ones once), the whole AdamW state keyed by
     parameter name (parallel.optimizer_state), scheduler and RNG; written to `<dir>.tmp`, then swapped in."""
-    import shutil
-
     tensors = whole_tensors(model, keep=write)
     optim = parallel.optimizer_state(model, opt)
     if write:
-        path = Path(path)
-        tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_tensors(tensors, tmp / "model.safetensors")
-        torch.save({"optimizer": optim, "scheduler": sched.state_dict(), "rng": rng_state()}, tmp / "state.pt")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
+        write_checkpoint_dir(path, lambda f: save_tensors(tensors, f),
+                             {"optimizer": optim, "scheduler": sched.state_dict(), "rng": rng_state()}, meta)
     dist.barrier()
 
 
