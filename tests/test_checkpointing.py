@@ -15,27 +15,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_sft import CFG, episodes, tiny
+from test_sft import CFG, examples, one_thread, tiny  # noqa: F401  (fixtures: the SFT tests' examples, one thread)
 from test_train import _episodes, _free_port, _setup
 
-from memopd.sft.data import turn_examples
 from memopd.sft.loss import target_loss
 from memopd.sft.trainer import TrainConfig, train
 from memopd.train import parallel
 from memopd.train.ppo import PPOConfig, ppo_update
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def examples():
-    return turn_examples(episodes(), min_reward=0.5)[0]
 
 
 def tiny_tied(seed=0):
