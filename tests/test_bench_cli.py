@@ -2,6 +2,7 @@
 its rows differ in columns), at a size that runs in seconds."""
 import csv
 import json
+import os
 
 import yaml
 
@@ -29,11 +30,19 @@ def test_bench_packing_writes_every_path(tmp_path):
            "model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
                      "num_key_value_heads": 1, "vocab_size": 128},
            "backends": ["sdpa", "prefix_shared"]}
-    main(["bench", "packing", "--cfg", json.dumps(cfg), "--repeats", "1", "--out", str(out)])
+    weights, cpus = tmp_path / "weights.json", os.sched_getaffinity(0)
+    main(["bench", "packing", "--cfg", json.dumps(cfg), "--repeats", "2", "--threads", "1", "--out", str(out),
+          "--weights-out", str(weights)])
     rows = _rows(out)
     paths = {r["path"] for r in rows}
     assert {"independent_batched", "packed_sdpa", "packed_prefix_shared"} <= paths
-    assert all(float(r["seconds"]) > 0 for r in rows)
+    timed = [r for r in rows if r["pass"] != "rce"]  # independent_sequential: its RCE only (DEFAULTS["untimed"])
+    assert {r["path"] for r in rows if r["pass"] == "rce"} == {"independent_sequential"}
+    assert all(float(r["seconds"]) > 0 and r["threads"] == "1" and r["repeats"] == "2" for r in timed)
+    assert all(float(r["speedup_lo"]) <= float(r["speedup_vs_batched"]) <= float(r["speedup_hi"]) for r in timed)
+    w = json.loads(weights.read_text())
+    assert os.sched_getaffinity(0) == cpus  # pinned for the benchmark only
+    assert w["device"] == "cpu" and w["threads"] == 1 and set(w["forward_backward"]) == {"lin", "attn", "inv"}
 
 
 def test_bench_sft_writes_every_path(tmp_path):

@@ -77,7 +77,7 @@ def _old_state_logits(model, episodes, state):
         return independent_logits(model, episodes, batched=True)
     if state.startswith("packed_"):
         return torch.cat([packed_logits(model, pack(ep), state[len("packed_"):]) for ep in episodes])
-    return torch.cat([packed_logits(model, alignment.STATES[state](ep), "sdpa") for ep in episodes])
+    return torch.cat([packed_logits(model, alignment.STATES[state](ep), "auto") for ep in episodes])  # as alignment
 
 
 @torch.no_grad()
@@ -109,7 +109,7 @@ def _old_teacher_records(teacher, episodes):
     recs = []
     for e, ep in enumerate(episodes):
         exact, flat = pack(ep), flatten_persistent(ep)
-        le, lf = packed_logits(teacher, exact, "sdpa").double(), packed_logits(teacher, flat, "sdpa").double()
+        le, lf = packed_logits(teacher, exact, "auto").double(), packed_logits(teacher, flat, "auto").double()
         targets = exact.targets
         lpe, lpf = torch.log_softmax(le, -1), torch.log_softmax(lf, -1)
         kl = (lpe.exp() * (lpe - lpf)).sum(-1)

@@ -358,3 +358,17 @@ def test_workflow_refuses_before_any_job_and_dry_runs_still_work(tmp_path):
 
 if __name__ == "__main__":
     print(json.dumps(measure(*sys.argv[1:])))
+
+
+def test_plan_resolves_auto_to_the_path_training_runs():
+    """The plan sizes the path `auto` picks (attention.choose_backend's candidates and weights) for the planned
+    episode: not prefix sharing with checkpointing, flex on a GPU (uncalibrated: FLOPs); an explicit path is kept."""
+    from memopd.plan import Spec, resolve_backend
+
+    m = Spec("m", hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49152)
+    # a shared prefix of 300 tokens: one of the paths that run it once
+    assert resolve_backend(m, "auto", gpu=False, ckpt=False, dtype="float32", q=300, calls=6, own=250) in (
+        "segmented", "prefix_shared")
+    assert resolve_backend(m, "auto", gpu=False, ckpt=True, dtype="float32", q=300, calls=6, own=250) != "prefix_shared"
+    assert resolve_backend(m, "auto", gpu=True, ckpt=True, dtype="bfloat16", q=300, calls=6, own=250) == "flex"
+    assert resolve_backend(m, "sdpa", gpu=False, ckpt=False, dtype="float32", q=300, calls=6, own=250) == "sdpa"

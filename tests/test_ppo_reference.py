@@ -71,6 +71,9 @@ CASES = [  # (method, teacher_select, backend)
     ("memopd", 0.5, "sdpa"),
     ("memopd_persistent", 0.5, "prefix_shared"),
     ("memopd_persistent", "last", "sdpa"),
+    ("memopd", "all", "auto"),
+    ("memopd_persistent", "all", "auto"),  # the teacher's flattening: auto must leave the blocked-call paths
+    ("ppo", "all", "calls"),
 ]
 
 

@@ -18,7 +18,7 @@ from memopd.synthetic import RULES, random_episode
 
 TOL = 1e-5  # fp32
 WIDE = 1e-3  # a negative control must miss by at least 100x the fp32 tolerance
-CPU_BACKENDS = [b for b in BACKENDS if b != "flex"]  # flex: its own test (compilation per shape)
+CPU_BACKENDS = [b for b in BACKENDS if b != "flex"] + ["auto"]  # flex: its own test (compilation per shape)
 
 
 def _episodes(seed, rule, n_calls=4, n=2):

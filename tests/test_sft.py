@@ -167,12 +167,25 @@ def test_packed_loss_equals_per_example_and_padded_with_gradients(examples):
             assert (a.grad - b.grad).abs().max().item() <= 1e-4 * scale + 1e-7, (path, name)
 
 
-def test_segmented_execution_refuses_multi_call_segments():
-    from memopd.packing import pack
-    from memopd.sft.segmented import segmented_hidden
+def test_segmented_blocks_of_examples_and_episodes(examples):
+    """One causal block per one-call example; a multi-call episode: its prefix, then each call on the prefix and
+    itself. The blocks cover the pack in order (tests/test_rce.py checks the numbers against independent calls)."""
+    from memopd.attention import packed_hidden, segment_blocks
+    from memopd.packing import flatten_persistent, pack
 
-    with pytest.raises(ValueError, match="one-call"):
-        segmented_hidden(tiny(), pack(episodes(1)[0]))
+    ep = episodes(1)[0]
+    p = pack(examples[:3])
+    starts = [0] + [int(x) for x in torch.unique_consecutive(p.segment, return_counts=True)[1].cumsum(0)]
+    assert segment_blocks(p) == [(a, b, a, a) for a, b in zip(starts, starts[1:])]
+    q = ep.prefix_len
+    blocks, at = [(0, q, 0, 0)], q
+    for inv in ep.invocations:
+        n = len(inv.input_ids) - q + len(inv.output_ids)
+        blocks.append((at, at + n, 0, q))
+        at += n
+    assert segment_blocks(pack(ep)) == blocks
+    with pytest.raises(ValueError, match="blocked"):
+        packed_hidden(tiny(), flatten_persistent(ep), "segmented")
 
 
 # --- trainer ------------------------------------------------------------------------------------------

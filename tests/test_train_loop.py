@@ -385,7 +385,8 @@ def test_each_method_is_compared_with_its_sft_student_task_by_task(tmp_path):
 
 def test_training_checkpoints_activations_when_configured(setup, tmp_path, monkeypatch):
     """train.activation_checkpointing: policy and critic recompute their layers in the backward (the update's
-    numbers are the same: tests/test_checkpointing.py); refused with prefix_shared before the first rollout."""
+    numbers are the same: tests/test_checkpointing.py); refused with an explicit prefix_shared before the first rollout
+    (auto, the default, skips it)."""
     import memopd.train.loop as loop
     from memopd.train.parallel import is_checkpointed
 
@@ -404,8 +405,8 @@ def test_training_checkpoints_activations_when_configured(setup, tmp_path, monke
             train_run(run_cfg, "ppo", 0, d / "student", None, d / "q2_train.parquet", d / "index", tmp_path / f"r{on}",
                       log=lambda *a: None)
     assert seen == [(False, False, False), (True, True, False)]
-    bad = {**cfg, "train": {**cfg["train"], "activation_checkpointing": True}}  # prefix_shared (the config's)
-    assert bad["train"]["ppo"]["backend"] == "prefix_shared"
+    bad = {**cfg, "train": {**cfg["train"], "activation_checkpointing": True,
+                            "ppo": {**cfg["train"]["ppo"], "backend": "prefix_shared"}}}
     with pytest.raises(ValueError, match="prefix_shared"):
         train_run(bad, "ppo", 0, d / "student", None, d / "q2_train.parquet", d / "index", tmp_path / "bad",
                   log=lambda *a: None)

@@ -6,6 +6,12 @@ Backends (`BACKENDS`):
                  is added to the scores and is silently *not* a mask, hence its own builder.
   flex           FlexAttention BlockMask (GPU fast path; on CPU forward only)
   prefix_shared  run q once, reuse its keys/values for all calls of the episode run as one batch
+  calls          every call alone as [q, x_t, a_t], all calls as one right-padded batch (the batched
+                 reference, run from the pack: what packing has to beat)
+  segmented      the pack as one sequence through the linear layers (no padding, one decoder call, no KV
+                 copies), attention block by block: each prefix causally on itself, each call on its
+                 episode's prefix and causally on itself (no masked-out pairs computed, no L x L mask)
+`auto` picks one of them per pack by the cost model of memopd.cost (`choose_backend`).
 Negative control (never exact): `posids_no_mask` passes restarting position ids without a mask, and
 transformers then guesses packed boundaries from the restarts and cuts q off from later calls.
 
@@ -17,13 +23,18 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
+from memopd import cost
 from memopd.packing import Packed, call_token_ranges
 from memopd.records import Episode
 
-BACKENDS = ("sdpa", "eager", "flex", "prefix_shared")
+BACKENDS = ("sdpa", "eager", "flex", "prefix_shared", "calls", "segmented")
+AUTO = "auto"
 NEGATIVE_CONTROLS = ("posids_no_mask",)
-_IMPL = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention", "prefix_shared": "sdpa", "posids_no_mask": "sdpa"}
+SEGMENTED = "memopd_segmented"  # the attention implementation of `segmented`, registered with transformers
+_IMPL = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention", "prefix_shared": "sdpa", "calls": "sdpa",
+         "segmented": SEGMENTED, "posids_no_mask": "sdpa"}
 
 
 def _cache_kw() -> str:
@@ -82,18 +93,132 @@ def _prepare_flex_cpu():
     torch._dynamo.config.automatic_dynamic_shapes = False
 
 
+def _segmented_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                         memopd_blocks=None, **kwargs):
+    """query (1, H, L, D), key/value (1, H_kv, L, D) -> ((1, L, H, D), None). `memopd_blocks`: (q0, q1, k0, k1)
+    per block, in order and covering 0..L: queries q0:q1 see keys k0:k1 (their episode's prefix; k0 == k1:
+    none) and causally themselves."""
+    if memopd_blocks is None:
+        raise ValueError(f"{SEGMENTED} attention needs memopd_blocks (packed_hidden(..., 'segmented'))")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: kv head j serves query heads j*groups ... (j+1)*groups-1
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    # split once: the backward of a split is one concatenation, of a slice a zero tensor of the whole length
+    sizes = [q1 - q0 for q0, q1, _, _ in memopd_blocks]
+    qs, ks, vs = query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2)
+    at = {q0: i for i, (q0, *_) in enumerate(memopd_blocks)}  # block start -> chunk (a prefix is a block too)
+    outs = []
+    for i, (q0, q1, k0, k1) in enumerate(memopd_blocks):
+        if k0 == k1:
+            outs.append(F.scaled_dot_product_attention(qs[i], ks[i], vs[i], is_causal=True, scale=scaling,
+                                                       dropout_p=dropout))
+            continue
+        j, n, p = at[k0], q1 - q0, k1 - k0
+        mask = torch.ones(n, p + n, dtype=torch.bool, device=query.device).tril_(p)  # the prefix, then causal
+        outs.append(F.scaled_dot_product_attention(qs[i], torch.cat([ks[j], ks[i]], 2), torch.cat([vs[j], vs[i]], 2),
+                                                   attn_mask=mask, scale=scaling, dropout_p=dropout))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _register_segmented():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(SEGMENTED, _segmented_attention)
+    AttentionMaskInterface.register(SEGMENTED, lambda *a, **k: None)  # blocks travel as memopd_blocks, no mask
+
+
+_register_segmented()
+
+
+def segment_blocks(packed: Packed) -> list[tuple[int, int, int, int]]:
+    """The (q0, q1, k0, k1) attention blocks of an exact pack, as `pack` lays it out (each episode's prefix, then
+    its calls, each contiguous). An episode with one call (an SFT example) is one causal block."""
+    if not packed.block_calls:
+        raise ValueError("segmented execution only exists for blocked (exact) visibility")
+    base = int(packed.call.max()) + 2
+    run_id = packed.segment * base + packed.call + 1  # one id per (segment, call)
+    ids, counts = torch.unique_consecutive(run_id, return_counts=True)
+    if ids.numel() != run_id.unique().numel():
+        raise ValueError("segmented execution needs each call's tokens contiguous in the pack")
+    ends = counts.cumsum(0).tolist()
+    runs = [(i // base, i % base - 1, a, b) for i, a, b in zip(ids.tolist(), [0] + ends[:-1], ends)]
+    blocks = []
+    for seg in dict.fromkeys(r[0] for r in runs):
+        mine = [r for r in runs if r[0] == seg]
+        prefix = [r for r in mine if r[1] == -1]
+        calls = [r for r in mine if r[1] != -1]
+        if prefix and (mine[0] is not prefix[0]):
+            raise ValueError("segmented execution needs each episode's prefix before its calls")
+        if len(calls) == 1 or not prefix:
+            if not prefix:
+                blocks += [(a, b, a, a) for _, _, a, b in calls]
+            else:
+                blocks.append((prefix[0][2], calls[0][3], prefix[0][2], prefix[0][2]))
+            continue
+        p0, p1 = prefix[0][2], prefix[0][3]
+        blocks.append((p0, p1, p0, p0))
+        blocks += [(a, b, p0, p1) for _, _, a, b in calls]
+    return blocks
+
+
 def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return model.get_output_embeddings()(hidden)
+
+
+def recomputes_activations(model) -> bool:
+    """Whether some layer of `model` recomputes its activations in the backward (activation checkpointing)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def pack_shape(packed: Packed) -> cost.Shape:
+    """Per episode of the pack: (prefix tokens, own tokens of each call), the input of memopd.cost."""
+    shape: dict[int, tuple[int, list[int]]] = {}
+    for s, _, plen, tok in call_token_ranges(packed):
+        shape.setdefault(s, (plen, []))[1].append(tok.numel())
+    return list(shape.values())
+
+
+def model_dims(model) -> cost.Dims:
+    c = model.config
+    return cost.Dims.of_config(c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
+                               getattr(c, "num_key_value_heads", None) or c.num_attention_heads, c.intermediate_size,
+                               getattr(c, "head_dim", None))
+
+
+def candidates(model, packed: Packed) -> list[str]:
+    """The exact paths `auto` may run `packed` on with `model` (memopd.cost.candidates)."""
+    return cost.candidates(packed.block_calls, recomputes_activations(model), next(model.parameters()).device.type)
+
+
+def choose_backend(model, packed: Packed) -> str:
+    """`auto`: the candidate path memopd.cost predicts fastest for this pack on this model, device, compute
+    dtype (autocast's where on) and pass (forward + backward when grad is on)."""
+    dev = next(model.parameters()).device
+    dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else model.dtype
+    w = cost.weights(dev.type, str(dtype).removeprefix("torch."),
+                     "forward_backward" if torch.is_grad_enabled() else "forward")
+    return cost.choose(pack_shape(packed), model_dims(model), candidates(model, packed), w)
 
 
 def packed_hidden(model, packed: Packed, backend: str, index: torch.Tensor | None = None) -> torch.Tensor:
     """(N, H) final hidden states at `index` (default: packed.pred_index) of the packed sequence."""
     index = packed.pred_index if index is None else index
     dev = next(model.parameters()).device
+    if backend == AUTO:
+        backend = choose_backend(model, packed)
     if backend == "prefix_shared":
         return _prefix_shared_hidden(model, packed, index)
+    if backend == "calls":
+        return _calls_hidden(model, packed, index)
+    if backend == "segmented":
+        with attn_impl(model, SEGMENTED):
+            h = model.get_decoder()(input_ids=packed.input_ids[None].to(dev), position_ids=packed.position_ids[None].to(dev),
+                                    attention_mask=None, use_cache=False,
+                                    memopd_blocks=segment_blocks(packed)).last_hidden_state
+        return h[0, index.to(dev)]
     if backend not in _IMPL:
-        raise ValueError(f"unknown backend {backend!r}; choose from {BACKENDS + NEGATIVE_CONTROLS}")
+        raise ValueError(f"unknown backend {backend!r}; choose from {BACKENDS + (AUTO,) + NEGATIVE_CONTROLS}")
     ids = packed.input_ids[None].to(dev)
     pos = packed.position_ids[None].to(dev)
     if backend == "sdpa":
@@ -113,14 +238,13 @@ def packed_hidden(model, packed: Packed, backend: str, index: torch.Tensor | Non
 
 def _prefix_shared_hidden(model, packed: Packed, index: torch.Tensor) -> torch.Tensor:
     """Run each segment's prefix once, then all of its calls as one right-padded batch that attends
-    to the prefix's cached keys/values. Needs restarting positions and blocked calls (exact layout)."""
+    to the prefix's cached keys/values. Needs blocked calls (exact layout)."""
     if not packed.block_calls:
         raise ValueError("prefix_shared execution only exists for blocked (exact) visibility")
     dev = next(model.parameters()).device
     dec = model.get_decoder()
-    L = len(packed)
-    out = None
     ranges = call_token_ranges(packed)
+    parts, loc, offset = [], torch.full((len(packed),), -1, dtype=torch.long), 0  # packed index -> row of cat(parts)
     with attn_impl(model, "sdpa"):
         for s in sorted({r[0] for r in ranges}):
             calls = [r for r in ranges if r[0] == s]
@@ -130,8 +254,10 @@ def _prefix_shared_hidden(model, packed: Packed, index: torch.Tensor) -> torch.T
             if plen:
                 res = dec(input_ids=packed.input_ids[pidx][None].to(dev),
                           position_ids=packed.position_ids[pidx][None].to(dev), use_cache=True)
-                cache, hp = getattr(res, _CACHE_KW), res.last_hidden_state[0]
+                cache = getattr(res, _CACHE_KW)
                 cache.batch_repeat_interleave(len(calls))
+                parts.append(res.last_hidden_state[0])
+                loc[pidx], offset = torch.arange(offset, offset + plen), offset + plen
             B, Lmax = len(calls), max(r[3].numel() for r in calls)
             ids = torch.zeros(B, Lmax, dtype=torch.long)
             pos = torch.zeros(B, Lmax, dtype=torch.long)
@@ -139,20 +265,50 @@ def _prefix_shared_hidden(model, packed: Packed, index: torch.Tensor) -> torch.T
             for b, (_, _, _, tok) in enumerate(calls):
                 n = tok.numel()
                 ids[b, :n], pos[b, :n], valid[b, :n] = packed.input_ids[tok], packed.position_ids[tok], True
+                loc[tok] = torch.arange(offset + b * Lmax, offset + b * Lmax + n)
             own = torch.tril(torch.ones(Lmax, Lmax, dtype=torch.bool))[None] & valid[:, None, :]
             own = own | torch.eye(Lmax, dtype=torch.bool)[None]  # padded rows attend to themselves (no NaN)
             mask = torch.cat([torch.ones(B, Lmax, plen, dtype=torch.bool), own], dim=-1)[:, None]
             h = dec(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask.to(dev),
                     use_cache=plen > 0, **{_CACHE_KW: cache}).last_hidden_state
-            if out is None:
-                out = h.new_zeros(L, h.shape[-1])
-            # scatter back to packed coordinates (differentiable: index_put on a fresh tensor)
-            flat_idx = torch.cat([tok for (_, _, _, tok) in calls]).to(dev)
-            flat_h = torch.cat([h[b, : tok.numel()] for b, (_, _, _, tok) in enumerate(calls)])
-            out = out.index_put((flat_idx,), flat_h)
-            if plen:
-                out = out.index_put((pidx.to(dev),), hp)
-    return out[index.to(dev)]
+            parts.append(h.reshape(B * Lmax, -1))
+            offset += B * Lmax
+    return _gather(parts, loc, index, dev)
+
+
+def _gather(parts: list[torch.Tensor], loc: torch.Tensor, index: torch.Tensor, dev) -> torch.Tensor:
+    """Rows `loc[index]` of the concatenated hidden states (differentiable); every index must be computed."""
+    sel = loc[index.cpu()]
+    if (sel < 0).any():
+        raise ValueError(f"packed positions {index.cpu()[sel < 0][:5].tolist()} belong to no call of the pack")
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out[sel.to(dev)]
+
+
+def _calls_hidden(model, packed: Packed, index: torch.Tensor) -> torch.Tensor:
+    """Every call alone as [q, x_t, a_t] at its packed positions, all calls of the pack as one right-padded batch
+    (causal + padding mask): the batched reference computation, driven by the pack. A prefix position is read
+    from its episode's first call. Needs blocked calls (exact layout)."""
+    if not packed.block_calls:
+        raise ValueError("calls execution only exists for blocked (exact) visibility")
+    dev = next(model.parameters()).device
+    rows = []
+    for s, _, _, tok in call_token_ranges(packed):
+        pidx = ((packed.segment == s) & (packed.call == -1)).nonzero().squeeze(-1)
+        rows.append(torch.cat([pidx, tok]))
+    B, Lmax = len(rows), max(r.numel() for r in rows)
+    ids = torch.zeros(B, Lmax, dtype=torch.long)
+    pos = torch.zeros(B, Lmax, dtype=torch.long)
+    att = torch.zeros(B, Lmax, dtype=torch.long)
+    loc = torch.full((len(packed),), -1, dtype=torch.long)
+    for b in reversed(range(B)):  # reversed: the first call of an episode writes its prefix's rows last
+        r, n = rows[b], rows[b].numel()
+        ids[b, :n], pos[b, :n], att[b, :n] = packed.input_ids[r], packed.position_ids[r], 1
+        loc[r] = torch.arange(b * Lmax, b * Lmax + n)
+    with attn_impl(model, "sdpa"):
+        h = model.get_decoder()(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=att.to(dev),
+                                use_cache=False).last_hidden_state
+    return _gather([h.reshape(B * Lmax, -1)], loc, index, dev)
 
 
 def packed_logits(model, packed: Packed, backend: str, index: torch.Tensor | None = None) -> torch.Tensor:
@@ -201,7 +357,7 @@ def action_targets(episodes) -> torch.Tensor:
 
 
 __all__ = [
-    "BACKENDS", "NEGATIVE_CONTROLS", "attn_impl", "dense_mask", "flex_block_mask", "packed_hidden",
-    "packed_logits", "independent_hidden", "independent_logits", "token_logprobs", "action_targets",
-    "lm_logits",
+    "AUTO", "BACKENDS", "NEGATIVE_CONTROLS", "action_targets", "attn_impl", "choose_backend", "dense_mask",
+    "flex_block_mask", "independent_hidden", "independent_logits", "lm_logits", "packed_hidden", "packed_logits",
+    "recomputes_activations", "segment_blocks", "token_logprobs",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -89,15 +90,40 @@ def cmd_rce(args, cfg):
 def cmd_bench_packing(args, cfg):
     import torch
 
-    from memopd.audit.packing_bench import run_sweep, summarize
+    cpus = sorted(os.sched_getaffinity(0))
+    threads = args.threads or len(cpus)
+    if threads > len(cpus):
+        sys.exit(f"bench packing: --threads {threads} > the {len(cpus)} CPUs this process may use")
+    old_threads = torch.get_num_threads()
+    os.sched_setaffinity(0, cpus[:threads])  # pinned: one thread per core, no migration between repeats
+    torch.set_num_threads(threads)
+    try:
+        _bench_packing(args, cfg, threads, cpus[:threads])
+    finally:  # a caller in the same process (the tests) gets its CPUs back
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(old_threads)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+
+def _bench_packing(args, cfg, threads, pinned):
+    import torch
+
+    from memopd.audit.packing_bench import DEFAULTS, calibrate, run_sweep, summarize
+
+    print(f"bench packing: {threads} torch thread(s) pinned to CPUs {pinned}, {args.repeats} interleaved repeats")
     rows = run_sweep(cfg, seed=args.seed, repeats=args.repeats)
     print("\n".join(summarize(rows)))
+    weights = calibrate(rows)
+    print("memopd.cost weights fit to these timings (seconds per FLOP / per layer invocation):")
+    for pass_name, w in weights.items():
+        print(f"  {pass_name}: " + ", ".join(f"{k} {v:.3e}" for k, v in w.items()))
     if args.out:
         _write_csv(args.out, rows)
         print(f"wrote {args.out}")
+    if args.weights_out:
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        Path(args.weights_out).write_text(json.dumps({"device": dev, "dtype": {**DEFAULTS, **(cfg or {})}["dtype"],
+                                                      "threads": threads, **weights}, indent=1) + "\n")
+        print(f"wrote {args.weights_out}")
 
 
 def cmd_bench_opd_memory(args, cfg):
@@ -560,8 +586,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks that print figures").add_subparsers(dest="bench_command", required=True)
     sp = add("packing", cmd_bench_packing, "packing benchmark: 9 configurations, every exact path, with RCE", bench)
     sp.add_argument("--out", help="CSV file")
-    sp.add_argument("--repeats", type=int, default=3)
-    sp.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    sp.add_argument("--repeats", type=int, default=10, help="interleaved timed repeats (the interval needs several)")
+    sp.add_argument("--threads", type=int, default=0, help="torch threads, pinned to as many CPUs (0: every CPU "
+                    "this process may use)")
+    sp.add_argument("--weights-out", help="JSON of the memopd.cost weights fit to the timings")
     sp = add("opd-memory", cmd_bench_opd_memory, "peak extra memory of the OPD term, chunked vs naive", bench)
     sp.add_argument("--tokens", type=int, default=8192)
     sp.add_argument("--vocab", type=int, default=151_936)

@@ -92,6 +92,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memopd import cost
 from memopd.agent.memory import RULES
 
 GB = 1e9
@@ -210,16 +211,30 @@ def act_per_token(m: Spec, dtype: str, checkpointing: bool = False) -> float:
     return m.layers * 4 * m.hidden + a if checkpointing else m.layers * a
 
 
+def resolve_backend(m: Spec, backend: str, gpu: bool, ckpt: bool, dtype: str, q: int, calls: int, own: int) -> str:
+    """The path a pack of one episode (q, `calls` calls of `own` tokens) runs on: `auto` picks as
+    attention.choose_backend does (memopd.cost, forward + backward)."""
+    if backend != "auto":
+        return backend
+    cands = cost.candidates(True, ckpt, "cuda" if gpu else "cpu")
+    dims = cost.Dims.of_config(m.hidden, m.layers, m.heads, m.kv_heads, m.intermediate, m.head_dim)
+    return cost.choose([(q, [own] * calls)], dims, cands,
+                       cost.weights("cuda" if gpu else "cpu", dtype, "forward_backward"))
+
+
 def attention_scores(m: Spec, backend: str, gpu: bool, b: int, tokens: int, q: int, calls: int, own: int) -> float:
     """Attention probabilities one layer keeps for the backward: none with FlexAttention or, on a GPU, sdpa's
     fused kernels (masks included); the math kernel (sdpa with a mask on the CPU) and eager keep heads x
-    queries x keys. prefix_shared runs the calls as a batch, each over q + its own tokens."""
+    queries x keys. prefix_shared and segmented run each call over q + its own tokens; calls each over
+    q + its own tokens as queries and keys. `backend` is a path, not auto (resolve_backend)."""
     if backend == "eager":
         return m.heads * tokens * tokens * b
     if gpu or backend == "flex":
         return 0.0
-    if backend == "prefix_shared":
+    if backend in ("prefix_shared", "segmented"):  # segmented: each call's block over q + its own tokens
         return m.heads * calls * own * (q + own) * b
+    if backend == "calls":
+        return m.heads * calls * (q + own) ** 2 * b
     return m.heads * tokens * tokens * b
 
 
@@ -438,6 +453,7 @@ def plan_train(cfg: dict) -> list[Job]:
             f"(1 + {k}/{pol.layers}) models x T_pack {tokens} x {'checkpointed ' if ckpt else ''}a({dt}) x L")
     q, turns, backend = _plan(cfg)["prompt_tokens"], max_turns(cfg["agent"], t["benchmark"]), t["ppo"]["backend"]
     own = call_input(cfg, ro["max_new_tokens"]) - q + ro["max_new_tokens"]
+    backend = resolve_backend(pol, backend, job.gpus > 0, ckpt, dt, q, turns, own)
     scores = attention_scores(pol, backend, job.gpus > 0, 4, tokens, q, turns, own)
     if scores:
         job.add("update", "attention scores", both * (1 if ckpt else pol.layers) * scores,

@@ -3,7 +3,7 @@
 
 rule rce_smoke:
     input:
-        src("records", "packing", "attention", "rce", "synthetic", "cli"),
+        src("records", "packing", "attention", "cost", "rce", "synthetic", "cli"),
         model="results/models/student_init/model.safetensors",
     output:
         json="results/audit/rce_smoke.json",
@@ -37,7 +37,7 @@ rule rce_smoke:
 
 AUDIT = config["audit"]
 AUDIT_STEPS_SRC = src("audit/__init__", "audit/steps", "report/tables", "records", "models", "cli")
-AUDIT_SRC = AUDIT_STEPS_SRC + src("audit/alignment", "packing", "attention", "rce")
+AUDIT_SRC = AUDIT_STEPS_SRC + src("audit/alignment", "packing", "attention", "cost", "rce")
 AUDIT_MODEL = f"results/models/{AUDIT['model']}/model.safetensors"
 AUDIT_EPISODES = "results/audit/episodes.parquet"
 AUDIT_RULES = ["full_retention", "suffix_retention", "summary_replacement", "sliding_window", "retrieval_refresh"]

@@ -54,7 +54,7 @@ rule eval_all:
 rule rce_rollouts:
     input:
         AGENT_SRC,
-        src("packing", "attention", "rce"),
+        src("packing", "attention", "cost", "rce"),
         model="results/models/student_init/model.safetensors",
         benchmark=f"results/benchmarks/{config['rce_rollouts']['benchmark']}.parquet",
         index=RETRIEVAL_INDEX,

@@ -4,8 +4,8 @@
 
 # which teacher played the trajectories: a column of results/tables/sft_data_stats.csv
 TRAJECTORY_TEACHER = config["teacher"]["kind"]
-SFT_SRC = src("records", "packing", "attention", "models", "tracking", "cli", "sft/data", "sft/loss",
-              "sft/segmented", "sft/checkpoint", "sft/trainer", "sft/commands")
+SFT_SRC = src("records", "packing", "attention", "cost", "models", "tracking", "cli", "sft/data", "sft/loss",
+              "sft/checkpoint", "sft/trainer", "sft/commands")
 
 
 rule sft_examples:

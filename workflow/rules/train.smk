@@ -5,7 +5,7 @@ TRAIN = config["train"]
 # What a training run sees: the train section without matched_control (which says which runs a table
 # reads, not how to train), so that changing the control's seeds reruns no training and no Tables 1-2.
 TRAIN_RUN = {k: v for k, v in TRAIN.items() if k != "matched_control"}
-TRAIN_SRC = src("train/ppo", "train/loop", "train/weight_sync", "losses", "packing", "attention", "rce", "agent/rollout",
+TRAIN_SRC = src("train/ppo", "train/loop", "train/weight_sync", "losses", "packing", "attention", "cost", "rce", "agent/rollout",
                 "agent/backends", "vocab", "cli")
 TRAINED = [f"{m}_seed{s}" for m in TRAIN["methods"] for s in TRAIN["seeds"]]
 # The matched control: methods fixed (as memopd.report.results.MATCHED_METHODS), runs {method}_seed{seed}.

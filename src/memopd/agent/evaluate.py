@@ -131,7 +131,7 @@ def behaviour_mismatch(model, episodes: list[Episode]) -> dict:
 
 
 def rce_rollouts(model, backend, tokenizer, tasks: list[Task], retriever, agent: AgentConfig, rules=RULES,
-                 backends=("sdpa", "eager", "flex", "prefix_shared"), dtype: str = "float32",
+                 backends=("sdpa", "eager", "flex", "prefix_shared", "calls", "segmented", "auto"), dtype: str = "float32",
                  tolerance: float | None = None, seed: int = 0, progress: bool = True) -> dict:
     """Roll out `tasks` under every rule, compile, and check RCE; plus the behaviour log-prob mismatch."""
     from dataclasses import replace

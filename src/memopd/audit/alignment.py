@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from memopd.attention import independent_hidden, lm_logits, packed_hidden
+from memopd.attention import AUTO, independent_hidden, lm_logits, packed_hidden
 from memopd.packing import CONTEXT, corrupt, flatten_persistent, pack
 from memopd.rce import CHUNK, spans, tolerances
 from memopd.records import Episode
@@ -34,7 +34,7 @@ def _state_hidden(model, episodes: list[Episode], state: str) -> torch.Tensor:
         return independent_hidden(model, episodes, batched=True)
     if state.startswith("packed_"):
         return torch.cat([packed_hidden(model, pack(ep), state[len("packed_"):]) for ep in episodes])
-    return torch.cat([packed_hidden(model, STATES[state](ep), "sdpa") for ep in episodes])
+    return torch.cat([packed_hidden(model, STATES[state](ep), AUTO) for ep in episodes])
 
 
 def _targets(episodes):
@@ -111,7 +111,7 @@ def teacher_divergence(teacher, episodes: list[Episode], logit_chunk: int = CHUN
     recs = []  # (episode, call index, after first update?, top1 same, |dlogp|, KL) per action token
     for e, ep in enumerate(episodes):
         exact, flat = pack(ep), flatten_persistent(ep)
-        he, hf = packed_hidden(teacher, exact, "sdpa"), packed_hidden(teacher, flat, "sdpa")
+        he, hf = packed_hidden(teacher, exact, AUTO), packed_hidden(teacher, flat, AUTO)
         targets = exact.targets.to(he.device)
         kl, dlp, same = [], [], []
         for s, t in spans(targets.numel(), logit_chunk):

@@ -4,7 +4,7 @@ Every path sees exactly the same micro-batches (the bins of a seeded best-fit pa
 into sequences of at most seq_len tokens) and takes one AdamW step per micro-batch from the same
 initial weights:
   packed/segmented  the bin's examples in one sequence, attention example by example (no padding,
-                    no masked pairs; memopd.sft.segmented)
+                    no masked pairs; memopd.attention `segmented`)
   packed/sdpa       the same sequence under a dense L x L block-diagonal mask (computes masked pairs)
   padded            the bin's examples as rows of a right-padded batch (each example its own row)
 The paths take turns bin by bin (rotating who goes first), so that a load change on shared cores hits

@@ -244,7 +244,8 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
                if method != "ppo" else None)
     if tcfg.get("activation_checkpointing"):  # recompute each decoder layer in the backward (before sharding)
         if tcfg.get("ppo", {}).get("backend") == "prefix_shared":  # its calls read a prefix KV cache the layers drop
-            raise ValueError("train.activation_checkpointing needs train.ppo.backend flex or sdpa, not prefix_shared")
+            raise ValueError("train.activation_checkpointing needs train.ppo.backend auto, flex, calls or sdpa, "
+                             "not prefix_shared")
         policy, critic = parallel.checkpoint_activations(policy), parallel.checkpoint_activations(critic)
     shard = tcfg.get("shard", "none")
     if shard not in parallel.SHARDING:

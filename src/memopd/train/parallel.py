@@ -36,6 +36,8 @@ from functools import partial
 
 import torch
 
+from memopd.attention import recomputes_activations
+
 SHARDING = ("none", "fsdp")
 
 
@@ -112,15 +114,15 @@ def _attention_implementation(config, name):
 def _recompute_attention_as_forward(config):
     """torch.utils.checkpoint's context_fn, called when a layer's forward runs: its recomputation in the
     backward runs under the attention implementation of that forward. The packed backends switch it only
-    around their forward (attention.attn_impl, segmented_hidden), so without this a layer run under flex,
+    around their forward (attention.attn_impl), so without this a layer run under flex,
     eager or memopd_segmented would be recomputed with the model's default (sdpa): a metadata error at
     best, silently other gradients at worst (segmented: one causal attention over the whole pack)."""
     return nullcontext(), _attention_implementation(config, config._attn_implementation)
 
 
 def is_checkpointed(model) -> bool:
-    """Whether some layer of `model` recomputes its activations in the backward."""
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in unwrap(model).modules())
+    """Whether some layer of `model` (replica, DDP or FSDP root) recomputes its activations in the backward."""
+    return recomputes_activations(unwrap(model))
 
 
 def _fsdp_modules(model) -> list:

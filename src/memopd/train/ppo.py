@@ -93,7 +93,7 @@ class PPOConfig:
     minibatch_episodes: int = 4
     max_grad_norm: float = 1.0
     teacher_select: object = "all"  # which calls the teacher scores (packing.select_teacher_calls)
-    backend: str = "sdpa"
+    backend: str = "auto"  # memopd.attention: auto picks each pack's fastest exact path
     chunk_size: int = 512
     rce_sample: int = 2  # episodes checked by the RCE guard before each update (0: off)
     dtype: str = "float32"
@@ -186,7 +186,8 @@ def score_batch(episodes: list[Episode], policy, ref, critic, teacher, cfg: PPOC
             # the matched control scores the same action tokens on the persistent flattening
             tp = p if cfg.method == "memopd" else pack(ep, layout="persistent", teacher=cfg.teacher_select,
                                                        seed=cfg.seed + e)
-            backend = cfg.backend if cfg.method == "memopd" else "sdpa"  # prefix sharing needs blocked calls
+            # prefix sharing and calls need blocked calls; auto picks among the paths the layout allows
+            backend = cfg.backend if tp.block_calls or cfg.backend not in ("prefix_shared", "calls") else "sdpa"
             teacher_hidden = packed_hidden(teacher, tp, backend, index=tp.pred_index[teach_rows])
         out.append({"packed": p, "old_logp": old_logp, "ref_logp": ref_logp, "values": values,
                     "teach_rows": teach_rows, "teacher_hidden": teacher_hidden})
@@ -261,7 +262,7 @@ def ppo_update(episodes: list[Episode], policy, ref, critic, teacher, actor_opt,
     if cfg.backend == "prefix_shared" and (is_checkpointed(policy) or is_checkpointed(critic)):
         # the calls read the prefix's KV cache, which checkpointed layers do not keep (parallel.py)
         raise ValueError("train.ppo.backend prefix_shared cannot run activation-checkpointed models: "
-                         "use flex or sdpa, or train.activation_checkpointing: false")
+                         "use auto, flex, calls or sdpa, or train.activation_checkpointing: false")
     ids = list(range(len(episodes))) if ids is None else list(ids)
     owners = gather(ids)
     n_total = sum(len(o) for o in owners)
