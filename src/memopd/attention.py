@@ -136,13 +136,7 @@ def segment_blocks(packed: Packed) -> list[tuple[int, int, int, int]]:
     its calls, each contiguous). An episode with one call (an SFT example) is one causal block."""
     if not packed.block_calls:
         raise ValueError("segmented execution only exists for blocked (exact) visibility")
-    base = int(packed.call.max()) + 2
-    run_id = packed.segment * base + packed.call + 1  # one id per (segment, call)
-    ids, counts = torch.unique_consecutive(run_id, return_counts=True)
-    if ids.numel() != run_id.unique().numel():
-        raise ValueError("segmented execution needs each call's tokens contiguous in the pack")
-    ends = counts.cumsum(0).tolist()
-    runs = [(i // base, i % base - 1, a, b) for i, a, b in zip(ids.tolist(), [0] + ends[:-1], ends)]
+    runs = _runs(packed)
     blocks = []
     for seg in dict.fromkeys(r[0] for r in runs):
         mine = [r for r in runs if r[0] == seg]
@@ -171,11 +165,27 @@ def recomputes_activations(model) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
+def _runs(packed: Packed) -> list[tuple[int, int, int, int]]:
+    """(segment, call, start, end) of every contiguous run of one (segment, call) in the pack, in order; call -1
+    is an episode's prefix. Refuses a pack where a call's tokens are not contiguous (`pack` never makes one)."""
+    base = int(packed.call.max()) + 2
+    run_id = packed.segment * base + packed.call + 1
+    ids, counts = torch.unique_consecutive(run_id, return_counts=True)
+    if ids.numel() != run_id.unique().numel():
+        raise ValueError("a call's tokens are not contiguous in the pack")
+    ends = counts.cumsum(0).tolist()
+    return [(i // base, i % base - 1, a, b) for i, a, b in zip(ids.tolist(), [0] + ends[:-1], ends)]
+
+
 def pack_shape(packed: Packed) -> cost.Shape:
     """Per episode of the pack: (prefix tokens, own tokens of each call), the input of memopd.cost."""
     shape: dict[int, tuple[int, list[int]]] = {}
-    for s, _, plen, tok in call_token_ranges(packed):
-        shape.setdefault(s, (plen, []))[1].append(tok.numel())
+    for s, c, a, b in _runs(packed):
+        q, ns = shape.setdefault(s, (0, []))
+        if c == -1:
+            shape[s] = (b - a, ns)
+        else:
+            ns.append(b - a)
     return list(shape.values())
 
 

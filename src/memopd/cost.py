@@ -105,6 +105,10 @@ def choose(shape: Shape, dims: Dims, candidates, weights: dict[str, float]) -> s
 # counting with flex's visible pairs at the dense rate, so flex wins wherever masked-out pairs dominate; run
 # the benchmark on the GPU (`memopd bench packing --weights-out`) to replace it.
 WEIGHTS: dict[tuple[str, str, str], dict[str, float]] = {
+    # `memopd bench packing --threads 2` (all nine configurations, 10 interleaved repeats) on 2 Intel cores
+    # without AMX, tiny Qwen2 h256 x 4, fp32 (README "Packing benchmark")
+    ("cpu", "float32", "forward"): {"lin": 8.694e-12, "attn": 9.618e-12, "inv": 7.836e-04},
+    ("cpu", "float32", "forward_backward"): {"lin": 2.733e-11, "attn": 2.514e-11, "inv": 1.234e-03},
     ("cuda", "bfloat16", "forward"): {"lin": 1.0, "attn": 1.0, "sparse": 1.0, "inv": 0.0},
     ("cuda", "bfloat16", "forward_backward"): {"lin": 1.0, "attn": 1.0, "sparse": 1.0, "inv": 0.0},
 }
