@@ -163,3 +163,13 @@ def test_summary_applies_the_issue_targets():
     below_r = [dict(r, token_ratio=1.5, speedup_vs_batched=1.05) for r in good]  # R < 1.75: only the lower bound
     assert summarize(below_r)[-1].startswith("1 of 1")
     assert TARGETS == {"min_lower": 1.0, "r_from": 1.75, "forward": 0.85, "forward_backward": 0.9}
+
+
+def test_auto_prices_the_pass_it_runs(tiny_lm, monkeypatch):
+    """Scoring (no grad) uses the forward weights, the update (grad on) the forward + backward ones."""
+    p = pack(_episodes(9, n=1))
+    monkeypatch.setitem(cost.WEIGHTS, ("cpu", "float32", "forward"), {"lin": 0.0, "attn": 0.0, "inv": 1.0})
+    monkeypatch.setitem(cost.WEIGHTS, ("cpu", "float32", "forward_backward"), {"lin": 1.0, "attn": 0.0, "inv": 0.0})
+    with torch.no_grad():
+        assert choose_backend(tiny_lm, p) == "calls"  # one attention call per layer: cheapest by calls
+    assert choose_backend(tiny_lm, p) == "segmented"  # fewest rows (no repeated prefix), first on the tie
