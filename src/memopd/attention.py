@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from memopd import cost
-from memopd.packing import Packed, call_token_ranges
+from memopd.packing import Packed
 from memopd.records import Episode
 
 BACKENDS = ("sdpa", "eager", "flex", "prefix_shared", "calls", "segmented")
@@ -177,16 +177,21 @@ def _runs(packed: Packed) -> list[tuple[int, int, int, int]]:
     return [(i // base, i % base - 1, a, b) for i, a, b in zip(ids.tolist(), [0] + ends[:-1], ends)]
 
 
+def _episodes(packed: Packed) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Per episode of the pack, in order: (indices of its prefix, [indices of each call's own tokens])."""
+    out: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+    for s, c, a, b in _runs(packed):
+        _, calls = out.setdefault(s, (torch.arange(0), []))
+        if c == -1:
+            out[s] = (torch.arange(a, b), calls)
+        else:
+            calls.append(torch.arange(a, b))
+    return list(out.values())
+
+
 def pack_shape(packed: Packed) -> cost.Shape:
     """Per episode of the pack: (prefix tokens, own tokens of each call), the input of memopd.cost."""
-    shape: dict[int, tuple[int, list[int]]] = {}
-    for s, c, a, b in _runs(packed):
-        q, ns = shape.setdefault(s, (0, []))
-        if c == -1:
-            shape[s] = (b - a, ns)
-        else:
-            ns.append(b - a)
-    return list(shape.values())
+    return [(prefix.numel(), [t.numel() for t in calls]) for prefix, calls in _episodes(packed)]
 
 
 def model_dims(model) -> cost.Dims:
@@ -253,13 +258,12 @@ def _prefix_shared_hidden(model, packed: Packed, index: torch.Tensor) -> torch.T
         raise ValueError("prefix_shared execution only exists for blocked (exact) visibility")
     dev = next(model.parameters()).device
     dec = model.get_decoder()
-    ranges = call_token_ranges(packed)
     parts, loc, offset = [], torch.full((len(packed),), -1, dtype=torch.long), 0  # packed index -> row of cat(parts)
     with attn_impl(model, "sdpa"):
-        for s in sorted({r[0] for r in ranges}):
-            calls = [r for r in ranges if r[0] == s]
-            plen = calls[0][2]
-            pidx = ((packed.segment == s) & (packed.call == -1)).nonzero().squeeze(-1)
+        for pidx, calls in _episodes(packed):
+            if not calls:
+                continue
+            plen = pidx.numel()
             cache = None
             if plen:
                 res = dec(input_ids=packed.input_ids[pidx][None].to(dev),
@@ -268,11 +272,11 @@ def _prefix_shared_hidden(model, packed: Packed, index: torch.Tensor) -> torch.T
                 cache.batch_repeat_interleave(len(calls))
                 parts.append(res.last_hidden_state[0])
                 loc[pidx], offset = torch.arange(offset, offset + plen), offset + plen
-            B, Lmax = len(calls), max(r[3].numel() for r in calls)
+            B, Lmax = len(calls), max(tok.numel() for tok in calls)
             ids = torch.zeros(B, Lmax, dtype=torch.long)
             pos = torch.zeros(B, Lmax, dtype=torch.long)
             valid = torch.zeros(B, Lmax, dtype=torch.bool)
-            for b, (_, _, _, tok) in enumerate(calls):
+            for b, tok in enumerate(calls):
                 n = tok.numel()
                 ids[b, :n], pos[b, :n], valid[b, :n] = packed.input_ids[tok], packed.position_ids[tok], True
                 loc[tok] = torch.arange(offset + b * Lmax, offset + b * Lmax + n)
@@ -302,10 +306,7 @@ def _calls_hidden(model, packed: Packed, index: torch.Tensor) -> torch.Tensor:
     if not packed.block_calls:
         raise ValueError("calls execution only exists for blocked (exact) visibility")
     dev = next(model.parameters()).device
-    rows = []
-    for s, _, _, tok in call_token_ranges(packed):
-        pidx = ((packed.segment == s) & (packed.call == -1)).nonzero().squeeze(-1)
-        rows.append(torch.cat([pidx, tok]))
+    rows = [torch.cat([pidx, tok]) for pidx, calls in _episodes(packed) for tok in calls]
     B, Lmax = len(rows), max(r.numel() for r in rows)
     ids = torch.zeros(B, Lmax, dtype=torch.long)
     pos = torch.zeros(B, Lmax, dtype=torch.long)

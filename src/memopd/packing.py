@@ -190,15 +190,3 @@ def corrupt(packed: Packed, visibility: bool, positions: bool) -> Packed:
         out = replace(out, position_ids=running)
     names = {(True, False): "corrupt_visibility", (False, True): "corrupt_positions", (True, True): "persistent"}
     return replace(out, layout=names.get((visibility, positions), packed.layout))
-
-
-def call_token_ranges(packed: Packed) -> list[tuple[int, int, int, torch.Tensor]]:
-    """Per (segment, call): (segment, call, prefix_len, indices of the call's own tokens in y)."""
-    out = []
-    for s in packed.segment.unique().tolist():
-        in_seg = packed.segment == s
-        plen = int((in_seg & (packed.call == -1)).sum())
-        for t in packed.call[in_seg].unique().tolist():
-            if t >= 0:
-                out.append((s, t, plen, (in_seg & (packed.call == t)).nonzero().squeeze(-1)))
-    return out
