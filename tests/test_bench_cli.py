@@ -42,7 +42,7 @@ def test_bench_packing_writes_every_path(tmp_path):
     assert all(float(r["speedup_lo"]) <= float(r["speedup_vs_batched"]) <= float(r["speedup_hi"]) for r in timed)
     w = json.loads(weights.read_text())
     assert os.sched_getaffinity(0) == cpus  # pinned for the benchmark only
-    assert w["device"] == "cpu" and w["threads"] == 1 and set(w["forward_backward"]) == {"lin", "attn", "inv"}
+    assert w["device"] == "cpu" and w["threads"] == 1 and set(w["forward_backward"]) == {"lin", "attn", "inv", "copy", "dec"}
 
 
 def test_bench_sft_writes_every_path(tmp_path):

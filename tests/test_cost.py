@@ -74,7 +74,56 @@ def test_attention_terms_count_pairs():
     assert cost.features(shape, dims, "prefix_shared")["attn"] == 4 * ps
     assert cost.features(shape, dims, "prefix_shared")["inv"] == 2 * len(eps)
     for p in (pack(eps), pack([random_episode(random.Random(1), list(range(99)), "full_retention", 1, 9, 5, 4)] * 3)):
-        assert cost.features(pack_shape(p), dims, "segmented")["inv"] == len(segment_blocks(p))  # one call per block
+        blocks = segment_blocks(p)
+        over_prefix = sum(k0 != k1 for _, _, k0, k1 in blocks)  # a call block over its prefix: 2 kernels on a CPU
+        assert cost.features(pack_shape(p), dims, "segmented", "cuda")["inv"] == len(blocks)
+        assert cost.features(pack_shape(p), dims, "segmented", "cpu")["inv"] == len(blocks) + over_prefix
+
+
+class _Copies(torch.overrides.TorchFunctionMode):
+    """Elements of the prefix's keys and values copied per call: repeat_interleave along the batch (prefix sharing
+    repeats its cache for every call) and keys handed to SDPA longer than their queries with `concat` (segmented
+    concatenates a call's prefix keys with its own)."""
+
+    def __init__(self, concat: bool):
+        super().__init__()
+        self.concat, self.elements = concat, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.repeat_interleave and kwargs.get("dim", args[2] if len(args) > 2 else None) == 0:
+            self.elements += out.numel()
+        if self.concat and func is torch.nn.functional.scaled_dot_product_attention and args[1].shape[-2] > args[0].shape[-2]:
+            self.elements += args[1].numel() + args[2].numel()
+        return out
+
+
+@pytest.mark.parametrize("path,device", [("calls", "cpu"), ("prefix_shared", "cpu"), ("segmented", "cpu"),
+                                         ("segmented", "cuda"), ("sdpa", "cpu")])
+def test_copy_and_decoder_terms_count_what_each_path_does(tiny_lm, path, device, monkeypatch):
+    """Segmented concatenates keys where its call blocks are not fused (on a GPU; forced here on the CPU)."""
+    from memopd import attention
+
+    monkeypatch.setattr(attention, "fused_prefix_blocks", lambda d, dropout=0.0: device == "cpu")
+    dims = model_dims(tiny_lm)
+    assert dims.kv_width * tiny_lm.config.num_attention_heads == dims.attn_width * tiny_lm.config.num_key_value_heads
+    copied = 0
+    for seed in range(3):
+        eps = _episodes(seed, prefix=(0, 30)) + [
+            random_episode(random.Random(seed), list(range(99)), "full_retention", 1, 9, 5, 4)]  # one call: one block
+        p = pack(eps)
+        calls = []
+        hook = tiny_lm.get_decoder().register_forward_hook(lambda *a, calls=calls: calls.append(1))
+        try:
+            with torch.no_grad(), _Copies(concat=path == "segmented") as rec:
+                packed_hidden(tiny_lm, p, path)
+        finally:
+            hook.remove()
+        f = cost.features(pack_shape(p), dims, path, device)
+        assert f["copy"] == rec.elements and f["dec"] == len(calls), (seed, f, rec.elements, len(calls))
+        copied += rec.elements
+    assert (copied > 0) == (path == "prefix_shared" or (path, device) == ("segmented", "cuda"))  # not vacuous
 
 
 def test_fit_recovers_known_weights():
@@ -115,6 +164,33 @@ def test_auto_is_exact_and_respects_layout_and_checkpointing(tiny_lm):
     h = packed_hidden(ck, p, AUTO)
     h.sum().backward()  # prefix sharing would fail here: checkpointed layers drop its KV cache
     assert (h.detach() - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_segmented_gradients_equal_the_calls_run_one_by_one(tiny_lm, fused, monkeypatch):
+    """Segmented's call blocks (fused: two CPU flash kernels merged by log-sum-exp, with their own backward;
+    else one kernel over concatenated keys) give the hidden states and parameter gradients of every call run
+    alone."""
+    from memopd import attention
+
+    monkeypatch.setattr(attention, "fused_prefix_blocks", lambda device, dropout=0.0: fused)
+    eps = _episodes(11, n=2, calls=4, prefix=(8, 30))
+    p = pack(eps)
+    assert any(k0 != k1 for _, _, k0, k1 in segment_blocks(p))  # call blocks over a prefix: the fused path runs
+
+    def grads(fn):
+        tiny_lm.zero_grad(set_to_none=True)
+        h = fn()
+        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()  # weights differ per position
+        return h.detach(), {n: w.grad.clone() for n, w in tiny_lm.named_parameters() if w.grad is not None}
+
+    h, g = grads(lambda: packed_hidden(tiny_lm, p, "segmented"))
+    h_ref, g_ref = grads(lambda: independent_hidden(tiny_lm, eps))
+    tiny_lm.zero_grad(set_to_none=True)
+    assert (h - h_ref).abs().max() <= 1e-5
+    assert g.keys() == g_ref.keys()
+    for n in g_ref:
+        assert (g[n] - g_ref[n]).abs().max() <= 1e-5 * g_ref[n].abs().max(), n  # fp32 rounding, relative
 
 
 def test_calls_reads_prefix_positions_and_refuses_unknown_ones(tiny_lm):

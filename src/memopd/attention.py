@@ -10,7 +10,8 @@ Backends (`BACKENDS`):
                  reference, run from the pack: what packing has to beat)
   segmented      the pack as one sequence through the linear layers (no padding, one decoder call, no KV
                  copies), attention block by block: each prefix causally on itself, each call on its
-                 episode's prefix and causally on itself (no masked-out pairs computed, no L x L mask)
+                 episode's prefix and causally on itself (no masked-out pairs computed, no L x L mask; on a
+                 CPU a call block is two fused kernels merged by log-sum-exp, no concatenated keys)
 `auto` picks one of them per pack by the cost model of memopd.cost (`choose_backend`).
 Negative control (never exact): `posids_no_mask` passes restarting position ids without a mask, and
 transformers then guesses packed boundaries from the restarts and cuts q off from later calls.
@@ -93,6 +94,40 @@ def _prepare_flex_cpu():
     torch._dynamo.config.automatic_dynamic_shapes = False
 
 
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def fused_prefix_blocks(device_type: str, dropout: float = 0.0) -> bool:
+    """Whether segmented attention runs a call block as two fused CPU kernels merged by log-sum-exp
+    (`_PrefixThenOwn`: no copied keys, no mask) rather than one kernel over concatenated keys under a mask."""
+    return device_type == "cpu" and not dropout and _FLASH_CPU is not None
+
+
+class _PrefixThenOwn(torch.autograd.Function):
+    """Attention of queries (1, H, n, D) to all of a prefix's keys and causally to their own, as two fused CPU
+    flash-attention calls (prefix: no mask; own: causal) merged by their log-sum-exp. The backward runs each part's
+    flash backward with the merged output and log-sum-exp, as ring attention does, and sums the query gradients:
+    the kernel's own backward ignores a gradient of its log-sum-exp output, so autograd through the merge is wrong."""
+
+    @staticmethod
+    def forward(ctx, q, kp, vp, ki, vi, scale):
+        o1, l1 = _FLASH_CPU(q, kp, vp, 0.0, False, scale=scale)[:2]
+        o2, l2 = _FLASH_CPU(q, ki, vi, 0.0, True, scale=scale)[:2]
+        lse = torch.logaddexp(l1, l2)
+        out = (o1 * (l1 - lse).exp().unsqueeze(-1) + o2 * (l2 - lse).exp().unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, kp, vp, ki, vi, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, kp, vp, ki, vi, out, lse = ctx.saved_tensors
+        bwd, grad = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward, grad.contiguous()
+        dq1, dkp, dvp = bwd(grad, q, kp, vp, out, lse, 0.0, False, scale=ctx.scale)
+        dq2, dki, dvi = bwd(grad, q, ki, vi, out, lse, 0.0, True, scale=ctx.scale)
+        return dq1 + dq2, dkp, dvp, dki, dvi, None
+
+
 def _segmented_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                          memopd_blocks=None, **kwargs):
     """query (1, H, L, D), key/value (1, H_kv, L, D) -> ((1, L, H, D), None). `memopd_blocks`: (q0, q1, k0, k1)
@@ -107,6 +142,7 @@ def _segmented_attention(module, query, key, value, attention_mask, dropout: flo
     sizes = [q1 - q0 for q0, q1, _, _ in memopd_blocks]
     qs, ks, vs = query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2)
     at = {q0: i for i, (q0, *_) in enumerate(memopd_blocks)}  # block start -> chunk (a prefix is a block too)
+    fused = fused_prefix_blocks(query.device.type, dropout)
     outs = []
     for i, (q0, q1, k0, k1) in enumerate(memopd_blocks):
         if k0 == k1:
@@ -114,6 +150,9 @@ def _segmented_attention(module, query, key, value, attention_mask, dropout: flo
                                                        dropout_p=dropout))
             continue
         j, n, p = at[k0], q1 - q0, k1 - k0
+        if fused:
+            outs.append(_PrefixThenOwn.apply(qs[i], ks[j], vs[j], ks[i], vs[i], scaling or query.shape[-1] ** -0.5))
+            continue
         mask = torch.ones(n, p + n, dtype=torch.bool, device=query.device).tril_(p)  # the prefix, then causal
         outs.append(F.scaled_dot_product_attention(qs[i], torch.cat([ks[j], ks[i]], 2), torch.cat([vs[j], vs[i]], 2),
                                                    attn_mask=mask, scale=scaling, dropout_p=dropout))
@@ -213,7 +252,7 @@ def choose_backend(model, packed: Packed) -> str:
     dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else model.dtype
     w = cost.weights(dev.type, str(dtype).removeprefix("torch."),
                      "forward_backward" if torch.is_grad_enabled() else "forward")
-    return cost.choose(pack_shape(packed), model_dims(model), candidates(model, packed), w)
+    return cost.choose(pack_shape(packed), model_dims(model), candidates(model, packed), w, dev.type)
 
 
 def packed_hidden(model, packed: Packed, backend: str, index: torch.Tensor | None = None) -> torch.Tensor:

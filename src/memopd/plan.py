@@ -219,7 +219,7 @@ def resolve_backend(m: Spec, backend: str, gpu: bool, ckpt: bool, dtype: str, q:
     cands = cost.candidates(True, ckpt, "cuda" if gpu else "cpu")
     dims = cost.Dims.of_config(m.hidden, m.layers, m.heads, m.kv_heads, m.intermediate, m.head_dim)
     return cost.choose([(q, [own] * calls)], dims, cands,
-                       cost.weights("cuda" if gpu else "cpu", dtype, "forward_backward"))
+                       cost.weights("cuda" if gpu else "cpu", dtype, "forward_backward"), "cuda" if gpu else "cpu")
 
 
 def attention_scores(m: Spec, backend: str, gpu: bool, b: int, tokens: int, q: int, calls: int, own: int) -> float:

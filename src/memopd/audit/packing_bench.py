@@ -155,16 +155,16 @@ def path_features(model, episodes: list[Episode], name: str) -> dict[str, float]
     """memopd.cost terms of a timed path (None: independent_sequential, which the cost model does not price):
     independent_batched is `calls` over every call of the episodes; a packed path sums its packs (one per
     episode), `auto` at the path it chose for each."""
-    dims = model_dims(model)
+    dims, dev = model_dims(model), next(model.parameters()).device.type
     if name == "independent_batched":
-        return cost.features([pack_shape(pack(ep))[0] for ep in episodes], dims, "calls")
+        return cost.features([pack_shape(pack(ep))[0] for ep in episodes], dims, "calls", dev)
     if not name.startswith("packed_"):
         return None
     out: dict[str, float] = {}
     for ep in episodes:
         p = pack(ep)
         b = name[len("packed_"):]
-        for k, v in cost.features(pack_shape(p), dims, choose_backend(model, p) if b == AUTO else b).items():
+        for k, v in cost.features(pack_shape(p), dims, choose_backend(model, p) if b == AUTO else b, dev).items():
             out[k] = out.get(k, 0.0) + v
     return out
 
