@@ -73,7 +73,9 @@ def test_attention_terms_count_pairs():
         ps += ep.prefix_len ** 2 + len(own) * max(own) * (ep.prefix_len + max(own))
     assert cost.features(shape, dims, "prefix_shared")["attn"] == 4 * ps
     assert cost.features(shape, dims, "prefix_shared")["inv"] == 2 * len(eps)
-    for p in (pack(eps), pack([random_episode(random.Random(1), list(range(99)), "full_retention", 1, 9, 5, 4)] * 3)):
+    no_prefix = random_episode(random.Random(2), list(range(99)), "summary_replacement", 3, 0, (1, 20), (1, 12))
+    for p in (pack(eps), pack([random_episode(random.Random(1), list(range(99)), "full_retention", 1, 9, 5, 4)] * 3),
+              pack([no_prefix, *eps])):  # calls without a prefix: each its own causal block
         blocks = segment_blocks(p)
         over_prefix = sum(k0 != k1 for _, _, k0, k1 in blocks)  # a call block over its prefix: 2 kernels on a CPU
         assert cost.features(pack_shape(p), dims, "segmented", "cuda")["inv"] == len(blocks)
@@ -110,8 +112,10 @@ def test_copy_and_decoder_terms_count_what_each_path_does(tiny_lm, path, device,
     assert dims.kv_width * tiny_lm.config.num_attention_heads == dims.attn_width * tiny_lm.config.num_key_value_heads
     copied = 0
     for seed in range(3):
+        rng = random.Random(seed)
         eps = _episodes(seed, prefix=(0, 30)) + [
-            random_episode(random.Random(seed), list(range(99)), "full_retention", 1, 9, 5, 4)]  # one call: one block
+            random_episode(rng, list(range(99)), "full_retention", 1, 9, 5, 4),  # one call: one block
+            random_episode(rng, list(range(99)), "summary_replacement", 3, 0, (1, 20), (1, 12))]  # no prefix
         p = pack(eps)
         calls = []
         hook = tiny_lm.get_decoder().register_forward_hook(lambda *a, calls=calls: calls.append(1))
