@@ -135,6 +135,10 @@ def _segmented_attention(module, query, key, value, attention_mask, dropout: flo
     none) and causally themselves."""
     if memopd_blocks is None:
         raise ValueError(f"{SEGMENTED} attention needs memopd_blocks (packed_hidden(..., 'segmented'))")
+    fused = fused_prefix_blocks(query.device.type, dropout)
+    if fused and torch.is_autocast_enabled("cpu"):  # the kernel is not autocast; cast as autocast casts SDPA's inputs
+        dt = torch.get_autocast_dtype("cpu")
+        query, key, value = query.to(dt), key.to(dt), value.to(dt)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: kv head j serves query heads j*groups ... (j+1)*groups-1
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
@@ -142,7 +146,6 @@ def _segmented_attention(module, query, key, value, attention_mask, dropout: flo
     sizes = [q1 - q0 for q0, q1, _, _ in memopd_blocks]
     qs, ks, vs = query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2)
     at = {q0: i for i, (q0, *_) in enumerate(memopd_blocks)}  # block start -> chunk (a prefix is a block too)
-    fused = fused_prefix_blocks(query.device.type, dropout)
     outs = []
     for i, (q0, q1, k0, k1) in enumerate(memopd_blocks):
         if k0 == k1:
