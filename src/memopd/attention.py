@@ -154,7 +154,7 @@ def _segmented_attention(module, query, key, value, attention_mask, dropout: flo
             continue
         j, n, p = at[k0], q1 - q0, k1 - k0
         if fused:
-            outs.append(_PrefixThenOwn.apply(qs[i], ks[j], vs[j], ks[i], vs[i], scaling or query.shape[-1] ** -0.5))
+            outs.append(_PrefixThenOwn.apply(qs[i], ks[j], vs[j], ks[i], vs[i], scaling))  # None: 1/sqrt(D)
             continue
         mask = torch.ones(n, p + n, dtype=torch.bool, device=query.device).tril_(p)  # the prefix, then causal
         outs.append(F.scaled_dot_product_attention(qs[i], torch.cat([ks[j], ks[i]], 2), torch.cat([vs[j], vs[i]], 2),
