@@ -98,9 +98,9 @@ use rule audit_episodes as audit_rule_episodes with:
         limit=AUDIT["rule_episodes"],
         rule=lambda w: f"--rule {w.rule}",
     log:
-        f"{LOGS}/audit_episodes_{{rule}}.log",
+        f"{LOGS}/audit_rule_episodes_{{rule}}.log",
     benchmark:
-        f"{LOGS}/bench/audit_episodes_{{rule}}.tsv"
+        f"{LOGS}/bench/audit_rule_episodes_{{rule}}.tsv"
 
 
 rule audit_alignment:

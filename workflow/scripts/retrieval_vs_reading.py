@@ -31,7 +31,7 @@ def main(model_dir: str, stem: str) -> dict:
     calls = dict(list(episodes.groupby("task_id")))
     for row in table.itertuples():
         seen_text = " ".join(" ".join(_INFO.findall(tok.decode(list(ids)))) for ids in calls[row.task_id].input_ids).lower()
-        titles = {t.strip() for t in _TITLE.findall(seen_text)}
+        titles = set(_TITLE.findall(seen_text))
         preds = split_answers(row.predictions)
         for i, aliases in enumerate(g.split("|") for g in row.gold.split(" ; ")):
             seen = any(a and a.lower() in seen_text for a in aliases)

@@ -1,0 +1,91 @@
+"""The analysis scripts of workflow/scripts/ (not pipeline steps; README)."""
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "workflow/scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _bench(path: Path, s: float, cpu: float, mtime: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"
+                    f"{s}\t0:00:00\t1\t1\t1\t1\t0\t0\t50\t{cpu}\n")
+    os.utime(path, (mtime, mtime))
+
+
+def test_job_times_sums_each_rule_over_its_jobs(tmp_path):
+    jt = _load("job_times")
+    rules = jt.rules_in(str(ROOT / "workflow/rules"))
+    # the workflow's rules, `use rule ... as` included
+    assert {"sft_train", "sft_eval", "eval", "audit_episodes", "audit_rule_episodes", "train"} <= set(rules)
+    jobs = {  # file -> (s, cpu, end time), with the rule each must count under
+        "sft_train_student.tsv": (100.0, 90.0, 1000.0, "sft_train"),
+        "sft_train_teacher.tsv": (150.0, 140.0, 1200.0, "sft_train"),
+        "sft_eval_student_sft.tsv": (7.0, 6.0, 1010.0, "sft_eval"),  # not `eval`: a name, not a substring
+        "sft_trajectories_0.tsv": (2.0, 2.0, 905.0, "sft_trajectories"),
+        "sft_trajectories_merge.tsv": (1.0, 1.0, 906.0, "sft_trajectories_merge"),  # the longest rule name wins
+        "eval_student_sft_q2_test.tsv": (30.0, 25.0, 1100.0, "eval"),
+        "audit_episodes.tsv": (5.0, 4.0, 1300.0, "audit_episodes"),
+        "audit_rule_episodes_sliding_window.tsv": (9.0, 8.0, 1320.0, "audit_rule_episodes"),
+        "fetch_corpus/wiki/x.tsv": (3.0, 1.0, 950.0, "fetch_corpus"),  # a folder names its rule
+    }
+    for name, (s, cpu, end, _) in jobs.items():
+        _bench(tmp_path / name, s, cpu, end)
+    table, span = jt.summarise(str(tmp_path), rules)
+    want = {}
+    for name, (s, cpu, end, rule) in jobs.items():
+        w = want.setdefault(rule, [0, 0.0, 0.0])
+        w[0], w[1], w[2] = w[0] + 1, w[1] + s, w[2] + cpu
+    got = {r.rule: [r.jobs, r.wall_s, r.cpu_s] for r in table.itertuples()}
+    assert got == want
+    assert table.rule.tolist()[0] == "sft_train" and table.longest_job.tolist()[0] == "sft_train_teacher"
+    assert table.wall_s.is_monotonic_decreasing
+    assert span == pytest.approx(1320.0 - (1000.0 - 100.0))  # first start (sft_train_student) to last end
+
+
+def test_job_times_names_a_file_no_rule_explains(tmp_path):
+    jt = _load("job_times")
+    _bench(tmp_path / "no_such_rule.tsv", 1.0, 1.0, 10.0)
+    with pytest.raises(ValueError, match="no_such_rule.tsv"):
+        jt.summarise(str(tmp_path), jt.rules_in(str(ROOT / "workflow/rules")))
+    with pytest.raises(ValueError, match="no benchmark files"):
+        jt.summarise(str(tmp_path / "empty"), [])
+
+
+def test_retrieval_vs_reading_counts_seen_right_and_title_copies(tmp_path):
+    import pandas as pd
+
+    from agent_support import tokenizer
+    from memopd.agent.protocol import INFO, INFO_END
+
+    rvr = _load("retrieval_vs_reading")
+    tok = tokenizer()
+    info = {  # task -> the passages its episode saw (one call each)
+        "t1": "Doc 1 (Title: Paris) Paris is the capital of France.\nDoc 2 (Title: Seine) A river.",
+        "t2": "Doc 1 (Title: Berlin) Berlin is in Germany.\nDoc 2 (Title: Thames) It flows through London.",
+        "t3": "Doc 1 (Title: Symphony No. 5 (Haydn)) A symphony.",
+    }
+    pd.DataFrame([{"task_id": t, "input_ids": tok(f"Questions: ...\n{INFO}{text}{INFO_END}\nYou have 3 turns left.",
+                                                   add_special_tokens=False)["input_ids"]}
+                  for t, text in info.items()]).to_parquet(tmp_path / "q2_test.episodes.parquet")
+    pd.DataFrame([{"task_id": "t1", "predictions": "Paris ; Doc 1", "gold": "Paris|paris ; Rome"},
+                  {"task_id": "t2", "predictions": "berlin ; London", "gold": "Lyon ; London|the city of London"},
+                  {"task_id": "t3", "predictions": "Rome ; Symphony No. 5 (Haydn) ; Doc 3 says Vienna",
+                   "gold": "Rome ; Mozart ; Vienna"}]
+                 ).to_csv(tmp_path / "q2_test.csv", index=False)
+    tok.save_pretrained(tmp_path / "tok")
+    got = rvr.main(str(tmp_path / "tok"), str(tmp_path / "q2_test"))
+    # by hand: Paris seen and right (a title copy, right); Rome unseen, answered "Doc 1"; Lyon unseen, answered
+    # the title "berlin" (wrong); London seen (in a passage's text) and right, not a title; t3: Rome unseen and
+    # right; a title with parentheses copied (wrong); an answer that only starts with "Doc 3" (neither)
+    assert got == {"questions": 7, "seen": 2, "seen_right": 2, "unseen_right": 1, "title_copies": 3,
+                   "title_copies_right": 1, "doc_refs": 1}
