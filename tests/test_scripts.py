@@ -63,8 +63,8 @@ def test_job_times_names_a_file_no_rule_explains(tmp_path):
 
 def test_retrieval_vs_reading_counts_seen_right_and_title_copies(tmp_path):
     import pandas as pd
-
     from agent_support import tokenizer
+
     from memopd.agent.protocol import INFO, INFO_END
 
     rvr = _load("retrieval_vs_reading")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-_RULE = re.compile(r"^(?:rule|use rule \w+ as) (\w+)", re.M)  # `rule x:` and `use rule y as x with:`
+_RULE = re.compile(r"^(?:rule|use rule \w+ as) (\w+)", re.MULTILINE)  # `rule x:` and `use rule y as x with:`
 
 
 def rules_in(rules_dir: str = "workflow/rules") -> list[str]:
