@@ -16,10 +16,10 @@ import pandas as pd
 from transformers import AutoTokenizer
 
 from memopd.agent.protocol import INFO, INFO_END
+from memopd.agent.teacher import passages
 from memopd.metrics import exact_match, split_answers
 
 _INFO = re.compile(re.escape(INFO) + "(.*?)" + re.escape(INFO_END), re.DOTALL)
-_TITLE = re.compile(r"doc \d+ \(title: (.*?)\) ")  # over the lower-cased text
 _DOC_REF = re.compile(r"doc \d+")
 
 
@@ -30,8 +30,9 @@ def main(model_dir: str, stem: str) -> dict:
            "doc_refs": 0}
     calls = dict(list(episodes.groupby("task_id")))
     for row in table.itertuples():
-        seen_text = " ".join(" ".join(_INFO.findall(tok.decode(list(ids)))) for ids in calls[row.task_id].input_ids).lower()
-        titles = set(_TITLE.findall(seen_text))
+        blocks = [b for ids in calls[row.task_id].input_ids for b in _INFO.findall(tok.decode(list(ids)))]
+        seen_text = " ".join(blocks).lower()
+        titles = {title.lower() for b in blocks for _, title, _ in passages(b)}
         preds = split_answers(row.predictions)
         for i, aliases in enumerate(g.split("|") for g in row.gold.split(" ; ")):
             seen = any(a and a.lower() in seen_text for a in aliases)
