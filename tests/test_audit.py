@@ -189,6 +189,47 @@ def test_packing_sweep_on_real_shaped_episodes_cut_to_t_calls(tiny_lm, episodes)
                                          "packed_prefix_shared"}
 
 
+def test_packing_benchmark_recomputes_layers_under_checkpointing_without_prefix_sharing(episodes):
+    """audit.packing.activation_checkpointing (paper scale): the timed forward+backward recomputes every decoder
+    layer (autograd keeps less than half of the plain run's tensors), prefix_shared keeps its forward row only (its calls read
+    the prefix KV cache that checkpointed layers drop), the other paths stay exact; the model's mode is restored."""
+    import copy
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from memopd.audit.packing_bench import measure
+    from memopd.train.parallel import checkpoint_activations
+
+    torch.manual_seed(0)
+    base = Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                        use_sliding_window=False)).eval()
+    runs = {}
+    for ckpt in (False, True):
+        model = copy.deepcopy(base)
+        if ckpt:
+            checkpoint_activations(model)
+        saved = [0]  # elements autograd keeps for the backward (a checkpointed layer keeps its input only)
+
+        def keep(t, saved=saved):
+            saved[0] += t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            measure(model, episodes[:2], ["sdpa", "segmented"], repeats=1, kind="real", log=lambda *_: None,
+                    untimed=("independent_sequential",))
+        n = saved[0]
+        rows = measure(model, episodes[:2], ["sdpa", "prefix_shared", "segmented"], repeats=1, kind="real",
+                       log=lambda *_: None, untimed=("independent_sequential",))
+        assert not model.training
+        runs[ckpt] = (n, {(r["path"], r["pass"]) for r in rows}, rows)
+    assert runs[True][0] < 0.5 * runs[False][0]
+    assert ("packed_prefix_shared", "forward_backward") in runs[False][1]
+    assert runs[True][1] == runs[False][1] - {("packed_prefix_shared", "forward_backward")}
+    assert all(r["rce_max_abs_dlogp"] <= 1e-5 for r in runs[True][2])
+
+
 def test_markdown_notes_follow_the_table():
     md = markdown([{"a": 1}], "cap", notes=["Finding: x."])
     assert md.splitlines()[0] == "*cap*" and md.rstrip().endswith("Finding: x.")

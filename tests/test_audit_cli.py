@@ -167,6 +167,21 @@ def test_packing_efficiency_real_and_synthetic_with_rce(run):
     assert {r["calls"] for r in rows if r["episodes"] == "real"} >= {"2"}
 
 
+def test_packing_efficiency_with_activation_checkpointing(run, tmp_path):
+    """audit.packing.activation_checkpointing (paper scale) reaches the real episodes' timing: prefix_shared keeps
+    only its forward rows there (the synthetic sweep's own model is not checkpointed), and the caption says so."""
+    cfg = {**AUDIT, "packing": {**AUDIT["packing"], "activation_checkpointing": True}}
+    main(["audit", "packing-efficiency", "--cfg", json.dumps(cfg), "--model", str(run / "student"),
+          "--episodes", str(run / "episodes.parquet"), "--out", str(tmp_path / "p.csv"), "--figure", str(tmp_path / "p.png")])
+    rows = _csv(tmp_path / "p.csv")
+    shared = {(r["episodes"], r["pass"]) for r in rows if r["path"] == "packed_prefix_shared"}
+    assert shared == {("synthetic", "forward"), ("synthetic", "forward_backward"), ("real", "forward")}
+    assert {(r["path"], r["pass"]) for r in rows if r["episodes"] == "real"} >= {
+        ("packed_sdpa", "forward_backward"), ("independent_batched", "forward_backward")}
+    assert "forward+backward with activation checkpointing (prefix_shared: forward only)" in (
+        tmp_path / "p.md").read_text()
+
+
 TABLES = ["alignment_audit", "state_corruption", "teacher_divergence", "action_domain", "context_updates",
           "packing_efficiency"]
 

@@ -249,14 +249,14 @@ def test_context_update_rows_chunked_equal_unchunked(tiny_lm, episodes):
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_packing_rce_error_chunked_equals_unchunked(tiny_lm, episodes, chunk):
     paths, targets = packing_bench._paths(tiny_lm, episodes, ["sdpa"])
-    paths["posids_no_mask"] = lambda: torch.cat([rce.packed_hidden(tiny_lm, pack(ep), "posids_no_mask")
-                                                 for ep in episodes])
+    paths["posids_no_mask"] = lambda e: rce.packed_hidden(tiny_lm, pack(episodes[e]), "posids_no_mask")
+    targets = torch.cat(targets)
     with torch.no_grad():
-        ref_h = paths["independent_sequential"]()
+        ref_h = torch.cat([paths["independent_sequential"](e) for e in range(len(episodes))])
         ref = rce.lm_logits(tiny_lm, ref_h)
         ref_lp = token_logprobs(ref, targets)
         for name, fn in paths.items():
-            h = fn()
+            h = torch.cat([fn(e) for e in range(len(episodes))])
             logits = rce.lm_logits(tiny_lm, h)
             want = ((token_logprobs(logits, targets) - ref_lp).abs().max().item(), (logits - ref).abs().max().item())
             assert packing_bench.rce_error(tiny_lm, ref_h, h, targets, chunk=chunk) == want, name

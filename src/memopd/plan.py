@@ -609,23 +609,56 @@ def plan_scoring(cfg: dict) -> list[Job]:
     _scoring(job, cfg, am, dt, tokens, _rce_terms(am, b, audit["rule_episodes"] * actions, actions,
                                                   f"{audit['rule_episodes']} episodes x {actions} action tokens"))
     jobs.append(job)
-    jobs.append(_packing_job(cfg, am, tokens, actions))
+    jobs.append(_packing_job(cfg, am))
     return jobs
 
 
-def _packing_job(cfg: dict, am: Spec, tokens: int, actions: int) -> Job:
-    """audit_packing_efficiency on the real audit episodes (audit.packing.real, the audit model in fp32): every path's
-    hidden states at the sampled tokens, log-probs and RCE error `COMPARE_CHUNK` positions at a time (forward). The
-    synthetic sweep's tiny model is negligible. NOT modelled: the timed forward+backward of each path over all
-    `real` episodes at once (packing_bench.measure), whose fp32 activations (`act_per_token`) of up to real x
-    T_pack tokens exceed 80 GB at paper scale (8 x 25,856 tokens of the 3B student: ~1.8 TB)."""
-    real, dt = cfg["audit"]["packing"]["real"]["episodes"], "float32"
-    b, n, c = BYTES[dt], real * actions, min(COMPARE_CHUNK, actions)
+def _packing_job(cfg: dict, am: Spec) -> Job:
+    """audit_packing_efficiency on the real audit episodes (audit.packing.real: `episodes` episodes cut to T calls,
+    T up to the largest of `calls`, null = agent turns), the audit model in fp32; the synthetic sweep's tiny model
+    is negligible. Scoring (no grad, all episodes at once): every path's hidden states at the sampled tokens, log-probs
+    and RCE error `COMPARE_CHUNK` positions at a time. Timed forward+backward (packing_bench.measure, one episode at a
+    time): weights, gradients, and the largest timed path's activations and attention scores over one episode, the
+    longest the limits allow (q + T calls of input + response): independent_batched pads T calls of L tokens,
+    `calls` runs each call over q + its own tokens, the other packed paths hold T_pack tokens. With
+    audit.packing.activation_checkpointing each layer keeps its input and one layer's activations and scores exist
+    at a time; prefix_shared then runs forward only."""
+    audit, ro, pk = cfg["audit"], cfg["rollout"], cfg["audit"]["packing"]
+    bench, rule, gpu = audit["benchmark"], audit.get("rule"), _resources(cfg, "audit_packing_efficiency").get("gpu", 0) > 0
+    max_new = new_tokens(audit.get("max_new_tokens"), bench, ro["max_new_tokens"])
+    turns, q = max_turns(cfg["agent"], bench), _plan(cfg)["prompt_tokens"]
+    T = min(turns, max(c or turns for c in pk["real"]["calls"]))
+    L = call_input(cfg, max_new, rule) + max_new  # one call: its input and response
+    own, dt = L - q, "float32"
+    tokens, actions = q + T * own, T * max_new
+    real, b = pk["real"]["episodes"], BYTES[dt]
+    n, c = real * actions, min(COMPARE_CHUNK, real * actions)
     job = _job(cfg, "audit_packing_efficiency")
     _scoring(job, cfg, am, dt, tokens, [
         ("logits chunk", c * am.vocab * (4 * b + 8),
          f"RCE error: C {c} x V x (2 x {b} logits + 2 x 4 log-softmax + 2 x {b} difference) B"),
         ("compared hidden", 2 * n * am.hidden * b, f"reference + path: 2 x {real} episodes x {actions} x h x {b} B")])
+    ph = "timed forward+backward"
+    _common(job, cfg, ph)
+    job.add(ph, "weights + gradients", 2 * am.weights(dt), f"2 x P {am.params:,} x {b} B")
+    ckpt = bool(pk.get("activation_checkpointing", False))
+    untimed = {"eager", "flex"} | ({"prefix_shared"} if ckpt else set())  # packing_bench.measure: RCE or forward only
+    paths = [("independent_batched", T * L, attention_scores(am, "calls", gpu, 4, T * L, 0, T, L),
+              f"{T} calls x L {L} (padded)")]
+    for name in dict.fromkeys(resolve_backend(am, x, gpu, ckpt, dt, q, T, own)
+                              for x in (pk.get("backends") or audit["backends"])):
+        if name not in untimed:
+            paths.append((f"packed_{name}", T * L if name == "calls" else tokens,
+                          attention_scores(am, name, gpu, 4, tokens, q, T, own),
+                          f"{T} calls x (q {q} + {own})" if name == "calls" else f"T_pack {tokens}"))
+    a, layers = act_per_token(am, dt, ckpt), 1 if ckpt else am.layers
+    name, toks, scores, what = max(paths, key=lambda x: x[1] * a + layers * x[2])
+    job.add(ph, "activations", toks * a, f"{name}: {what} tokens x {'checkpointed ' if ckpt else ''}a(fp32) x L")
+    if scores:
+        job.add(ph, "attention scores", layers * scores,
+                f"{name}: {1 if ckpt else 'L'} x heads x queries x keys x 4 B")
+    c = min(COMPARE_CHUNK, actions)
+    job.add(ph, "log-prob chunk", c * am.vocab * 16, f"rce.chunked_token_logprobs: C {c} x V x 16 B")
     return job
 
 

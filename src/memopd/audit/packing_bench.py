@@ -2,9 +2,12 @@
 
 For each configuration (calls T x prefix tokens) it times, on the same episodes and model:
   independent_sequential  every call run alone, one after the other
-  independent_batched     all calls as one right-padded batch
+  independent_batched     each episode's calls as one right-padded batch
   packed_<backend>        the packed sequence under each exact backend, and under `auto` (memopd.cost's pick)
-forward (log-probs of the sampled tokens) and forward+backward (gradient of their sum). The paths run
+forward (log-probs of the sampled tokens) and forward+backward (gradient of their sum), one episode at a
+time: a path runs each episode's pack (or its calls) and, in forward+backward, that episode's backward
+before the next episode starts, as a trainer's micro-batches do, so the peak memory is one episode's
+activations whatever the number of episodes (memopd.plan: the timed forward+backward). The paths run
 interleaved in every repeat; a path's speedup is the median over repeats of batched time / path time in
 the same repeat, with a 95% bootstrap interval, so a noisy shared machine widens the interval instead of
 moving the figure. Each path's RCE error against the sequential reference (max |d log p| of the sampled
@@ -32,6 +35,7 @@ from memopd.attention import (
     model_dims,
     pack_shape,
     packed_hidden,
+    recomputes_activations,
     token_logprobs,
 )
 from memopd.packing import pack
@@ -112,17 +116,15 @@ def ratio_interval(base: list[float], path: list[float], level: float = 0.95, re
 
 
 def _paths(model, episodes, backends):
-    """(path name -> function returning the (N, H) final hidden states at the sampled action tokens, targets (N,))."""
+    """(path name -> function of an episode's index returning its (N_e, H) final hidden states at the sampled
+    action tokens, in the packed action order; each episode's targets (N_e,)). independent_batched runs one
+    episode's calls as one right-padded batch."""
     packs = [pack(ep) for ep in episodes]
-    targets = torch.cat([p.targets for p in packs])
-
-    def independent(batched):
-        return lambda: independent_hidden(model, episodes, batched=batched)
-
-    paths = {"independent_sequential": independent(False), "independent_batched": independent(True)}
+    paths = {"independent_sequential": lambda e: independent_hidden(model, episodes[e], batched=False),
+             "independent_batched": lambda e: independent_hidden(model, episodes[e], batched=True)}
     for b in backends:
-        paths[f"packed_{b}"] = lambda b=b: torch.cat([packed_hidden(model, p, b) for p in packs])
-    return paths, targets
+        paths[f"packed_{b}"] = lambda e, b=b: packed_hidden(model, packs[e], b)
+    return paths, [p.targets for p in packs]
 
 
 def rce_error(model, ref_hidden: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor,
@@ -193,22 +195,32 @@ def measure(model, episodes: list[Episode], backends, repeats: int, kind: str = 
     R = n_ind / sum(len(pack(ep)) for ep in episodes)
     fr = flop_ratio(episodes, model)
     hidden_fns, targets = _paths(model, episodes, backends)
+    ids = range(len(episodes))
     with torch.no_grad():
-        ref = hidden_fns["independent_sequential"]()
-        errs = {name: rce_error(model, ref, fn(), targets) for name, fn in hidden_fns.items()}
+        ref = torch.cat([hidden_fns["independent_sequential"](e) for e in ids])
+        errs = {name: rce_error(model, ref, torch.cat([fn(e) for e in ids]), torch.cat(targets))
+                for name, fn in hidden_fns.items()}
     del ref
-    fwd = {name: (lambda fn=fn: chunked_token_logprobs(model, fn(), targets)) for name, fn in hidden_fns.items()
-           if name not in untimed}
+    fwd = {name: (lambda fn=fn: [chunked_token_logprobs(model, fn(e), targets[e]) for e in ids])
+           for name, fn in hidden_fns.items() if name not in untimed}
 
-    def backward(fn):
+    def backward(fn):  # one episode's graph at a time; the gradients add up over the episodes
         model.zero_grad(set_to_none=True)
-        fn().sum().backward()
+        for e in ids:
+            chunked_token_logprobs(model, fn(e), targets[e]).sum().backward()
 
-    fb = {name: (lambda fn=fn: backward(fn)) for name, fn in fwd.items()
-          if not (name == "packed_flex" and not torch.cuda.is_available())}  # flex backward: GPU only
+    ckpt = recomputes_activations(model)  # prefix_shared's calls read the prefix KV cache checkpointed layers drop
+    fb = {name: (lambda fn=fn: backward(fn)) for name, fn in hidden_fns.items() if name not in untimed
+          and not (name == "packed_flex" and not torch.cuda.is_available())  # flex backward: GPU only
+          and not (ckpt and name == "packed_prefix_shared")}
     with torch.no_grad():
         t_fwd = interleaved_times(fwd, repeats)
-    t_fb = interleaved_times(fb, repeats)
+    training = model.training
+    model.train(ckpt)  # transformers recomputes a layer only in training mode (these models have no dropout)
+    try:
+        t_fb = interleaved_times(fb, repeats)
+    finally:
+        model.train(training)
     model.zero_grad(set_to_none=True)
     chosen = {}
     if f"packed_{AUTO}" in hidden_fns:

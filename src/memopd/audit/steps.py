@@ -344,6 +344,10 @@ def packing_step(cfg: dict, model_dir: str, episodes_path: str, out: str, figure
     rows = run_sweep(syn, seed=seed, repeats=pk["repeats"])
     episodes, meta = read_episodes(episodes_path)
     model = _load(model_dir, "float32")
+    if pk.get("activation_checkpointing"):  # one episode's activations would not fit (memopd.plan)
+        from memopd.train.parallel import checkpoint_activations
+
+        model = checkpoint_activations(model)
     real = pk["real"]
     rows += run_real(model, episodes, calls=real["calls"], n_episodes=real["episodes"], backends=backends,
                      repeats=pk["repeats"])
@@ -368,7 +372,9 @@ def packing_step(cfg: dict, model_dir: str, episodes_path: str, out: str, figure
                f"{syn['response_tokens']} context and {syn['response_tokens']} response tokens per call, tiny Qwen2 "
                f"(hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, vocab {m['vocab_size']}). Real: the "
                f"first {real['episodes']} audit episodes with >= T calls cut to their first T calls, T in "
-               f"{real['calls']}, scored by {Path(model_dir).name}; episodes: {describe(meta)}.")
+               f"{real['calls']}, scored by {Path(model_dir).name}, one episode at a time"
+               + (", forward+backward with activation checkpointing (prefix_shared: forward only)"
+                  if pk.get("activation_checkpointing") else "") + f"; episodes: {describe(meta)}.")
     write_table(rows, out, caption, notes=["Best exact packed path per configuration: "] + summarize(rows))
     _packing_figure(rows, figure)
     return rows
