@@ -100,6 +100,28 @@ def test_all_includes_the_matched_control_and_reuses_the_main_runs():
     assert set(paper["matched_control"]["seeds"]) <= set(paper["seeds"])  # paper scale reuses its runs
 
 
+def test_an_evaluation_reruns_only_when_what_it_reads_changes(tmp_path):
+    """An eval job's params (Snakemake reruns a job whose params changed) hold eval's settings for its own
+    benchmark only: adding a benchmark or a model leaves the other evaluations' commands as they were (was:
+    the whole eval section, so adding q16_test reran every evaluation), and a budget given per benchmark
+    reaches its job resolved."""
+    def command(cfg=None):
+        args = ["results/eval/student_sft/q2_test.json", "-n", "-p", "--forceall"]
+        res = snakemake(*args, *(["--configfile", str(cfg)] if cfg else []))
+        assert res.returncode == 0, res.stdout + res.stderr
+        (line,) = [x for x in (res.stdout + res.stderr).splitlines() if " eval --cfg " in x]
+        return line
+
+    base = command()
+    more = _bad_config(tmp_path, lambda c: (c["eval"]["benchmarks"].remove("q16_test"),
+                                             c["eval"]["models"].append("student_init")))
+    assert command(more) == base
+    budget = _bad_config(tmp_path, lambda c: c["eval"]["max_new_tokens"].__setitem__("q2_test", 64))
+    assert command(budget) != base
+    cfg = json.loads(base.split(" eval --cfg ")[1].split("' --seed")[0].lstrip("'"))
+    assert cfg["eval"] == {"max_new_tokens": 96, "max_tasks": 100, "temperature": 0.0}
+
+
 def test_lint_is_clean():
     res = snakemake("--lint")
     assert res.returncode == 0, res.stdout + res.stderr

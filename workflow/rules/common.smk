@@ -67,6 +67,15 @@ def cfg_json(*keys):
     return json.dumps(node, sort_keys=True)
 
 
+def eval_cfg(benchmark):
+    """What one evaluation reads: agent, rollout, and eval's settings for this benchmark only (params: a job
+    reruns when they change, so adding a benchmark or a model must not rerun the evaluations already done)."""
+    from memopd.agent.evaluate import per_benchmark
+
+    ev = {k: per_benchmark(v, benchmark) for k, v in config["eval"].items() if k not in ("models", "benchmarks")}
+    return json.dumps({"agent": config["agent"], "rollout": config["rollout"], "eval": ev}, sort_keys=True)
+
+
 def src(*modules):
     """Source files a step depends on: Snakemake does not track imported modules, so a code change
     reruns a step only through these inputs."""

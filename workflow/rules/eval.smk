@@ -26,7 +26,7 @@ rule eval:
     params:
         memopd=MEMOPD,
         tracking=cfg_json("tracking"),
-        cfg=lambda w: json.dumps({k: config[k] for k in ("agent", "rollout", "eval")}, sort_keys=True),
+        cfg=lambda w: eval_cfg(w.benchmark),
         seed=config["seed"],
         model=lambda w, input: os.path.dirname(input.model),
         outdir=lambda w: f"results/eval/{w.model}",
