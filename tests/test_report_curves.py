@@ -40,14 +40,16 @@ def test_cli_writes_the_figure_without_tracking(tmp_path, capsys):
              for m in ("ppo", "memopd") for s in (0, 1)]
     fig = tmp_path / "figures/training_curves.png"
     main(["report", "curves", "--cfg", json.dumps({"benchmark": "q2_train"}), "--metrics", *map(str, paths),
-          "--figure", str(fig)])
+          "--figure", str(fig), "--reward", "em"])
     assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "tracking: off" in out and "opd/loss" in out and "memopd 1 -> 0.5" in out
+    assert "panels: task reward (EM - invalid penalty); invalid-action rate" in out  # the score trained on
 
 
 def test_the_curves_rule_reads_every_main_run():
-    """`results/figures/training_curves.png` (in `all`) reads the metrics of train.methods x train.seeds."""
+    """`results/figures/training_curves.png` (in `all`) reads the metrics of train.methods x train.seeds and
+    names agent.reward in the reward panel (was: "F1" while the embedded default trains on EM)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -55,7 +57,7 @@ def test_the_curves_rule_reads_every_main_run():
     import yaml
 
     root = Path(__file__).resolve().parents[1]
-    res = subprocess.run([str(Path(sys.executable).parent / "snakemake"), "-n", "--forceall",
+    res = subprocess.run([str(Path(sys.executable).parent / "snakemake"), "-n", "-p", "--forceall",
                           "results/figures/training_curves.png"], cwd=root, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     block = res.stdout[res.stdout.index("rule training_curves:"):].split("\n\n")[0]
@@ -64,3 +66,5 @@ def test_the_curves_rule_reads_every_main_run():
     want = {f"results/train/{m}/seed{s}/metrics.jsonl" for m in cfg["methods"] for s in cfg["seeds"]}
     assert {p for p in inputs.split("input:")[1].replace(",", " ").split() if p.endswith("metrics.jsonl")} == want
     assert "results/tracking/store.json" in inputs
+    reward = yaml.safe_load((root / "config/config.yaml").read_text())["agent"]["reward"]
+    assert f" --reward {reward} " in res.stdout + res.stderr  # the reward panel names the score trained on

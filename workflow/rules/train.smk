@@ -125,6 +125,7 @@ rule training_curves:
         cfg=json.dumps(TRAIN_RUN, sort_keys=True),
         tracking=cfg_json("tracking"),
         seed=config["seed"],
+        reward=config["agent"]["reward"],
     log:
         f"{LOGS}/training_curves.log",
     benchmark:
@@ -136,4 +137,4 @@ rule training_curves:
         ENV_CPU
     shell:
         "{params.memopd} report curves --cfg {params.cfg:q} --seed {params.seed} --metrics {input.metrics} "
-        "--figure {output.figure} --tracking {params.tracking:q} > {log} 2>&1"
+        "--figure {output.figure} --reward {params.reward} --tracking {params.tracking:q} > {log} 2>&1"

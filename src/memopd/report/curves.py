@@ -13,7 +13,7 @@ from pathlib import Path
 
 # (metrics.jsonl key, panel title); the keys train/loop.py and train/ppo.py write every step
 PANELS = (
-    ("reward/task", "task reward (F1 - invalid penalty)"),
+    ("reward/task", "task reward ({reward} - invalid penalty)"),  # {reward}: agent.reward, the score trained on
     ("rollout/invalid_rate", "invalid-action rate (rollouts)"),
     ("opd/loss", "OPD reverse KL (teacher tokens)"),
     ("ppo/clipfrac", "PPO clip fraction"),
@@ -53,7 +53,12 @@ def curve(seeds: dict[int, list[dict]], key: str) -> dict[str, list[float]] | No
             "max": np.nanmax(a, 0).tolist(), "seeds": len(per_seed)}
 
 
-def curves_figure(runs: dict[str, dict[int, list[dict]]], path: str | Path, title: str = "") -> dict:
+def panel_titles(reward: str = "") -> list[str]:
+    """PANELS' titles, the task reward named by the score the runs were trained on (agent.reward: em or f1)."""
+    return [label.format(reward=reward.upper() or "score") for _, label in PANELS]
+
+
+def curves_figure(runs: dict[str, dict[int, list[dict]]], path: str | Path, title: str = "", reward: str = "") -> dict:
     """The 2x2 figure of PANELS (PNG at `path`); returns {key: {method: curve}} of what it drew."""
     import matplotlib
 
@@ -65,7 +70,7 @@ def curves_figure(runs: dict[str, dict[int, list[dict]]], path: str | Path, titl
     colors = {m: f"C{i}" for i, m in enumerate(methods)}
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
     drawn: dict = {}
-    for ax, (key, label) in zip(axes.flat, PANELS):
+    for ax, (key, _), label in zip(axes.flat, PANELS, panel_titles(reward)):
         drawn[key] = {}
         for m in methods:
             c = curve(runs[m], key)
@@ -103,13 +108,13 @@ def cmd_report_curves(args, cfg):
     n_seeds = ", ".join(f"{m} ({len(runs[m])} seed{'s' if len(runs[m]) > 1 else ''})" for m in ordered(runs))
     title = (f"Training curves{' on ' + bench if bench else ''}: {n_seeds}; line = mean over seeds {seeds}, "
              "band = min-max")
-    drawn = curves_figure(runs, args.figure, title)
+    drawn = curves_figure(runs, args.figure, title, args.reward)
     with tracked(args.tracking, "training-curves", {"train": cfg, "metrics": list(args.metrics)}, stage="report",
                  model="all", seed=args.seed, tags={"method": "report", "benchmark": bench or first.get("benchmark", "")}) as run:
         run.log_artifact(args.figure)
     for key, per_method in drawn.items():
         print(f"{key:22s} " + "  ".join(f"{m} {c['mean'][0]:.3g} -> {c['mean'][-1]:.3g}" for m, c in per_method.items()))
-    print(f"-> {args.figure}")
+    print(f"panels: {'; '.join(panel_titles(args.reward))}\n-> {args.figure}")
 
 
 def add_parser(add, report) -> None:
@@ -118,4 +123,5 @@ def add_parser(add, report) -> None:
              "step; mean over seeds with a min-max band) from the runs' metrics.jsonl", report)
     sp.add_argument("--metrics", nargs="+", required=True, help="results/train/{method}/seed{seed}/metrics.jsonl")
     sp.add_argument("--figure", default="results/figures/training_curves.png")
+    sp.add_argument("--reward", default="", help="the score the runs were trained on (agent.reward: em, f1)")
     sp.add_argument("--tracking", help="JSON of the `tracking` config section (uri, experiment); omit: no MLflow")
