@@ -189,25 +189,20 @@ def test_packing_sweep_on_real_shaped_episodes_cut_to_t_calls(tiny_lm, episodes)
                                          "packed_prefix_shared"}
 
 
-def test_packing_benchmark_recomputes_layers_under_checkpointing_without_prefix_sharing(episodes):
+def test_packing_benchmark_recomputes_layers_under_checkpointing_without_prefix_sharing(tiny_lm, episodes):
     """audit.packing.activation_checkpointing (paper scale): the timed forward+backward recomputes every decoder
-    layer (autograd keeps less than half of the plain run's tensors), prefix_shared keeps its forward row only (its calls read
-    the prefix KV cache that checkpointed layers drop), the other paths stay exact; the model's mode is restored."""
+    layer (autograd keeps less than half of the plain run's tensors), prefix_shared keeps its forward row only
+    (its calls read the prefix KV cache that checkpointed layers drop), the other paths stay exact; the model's mode is restored."""
     import copy
 
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from memopd.audit.packing_bench import measure
     from memopd.train.parallel import checkpoint_activations
 
-    torch.manual_seed(0)
-    base = Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                                        use_sliding_window=False)).eval()
     runs = {}
     for ckpt in (False, True):
-        model = copy.deepcopy(base)
+        model = copy.deepcopy(tiny_lm)  # the shared fixture stays un-checkpointed
         if ckpt:
             checkpoint_activations(model)
         saved = [0]  # elements autograd keeps for the backward (a checkpointed layer keeps its input only)
