@@ -19,7 +19,7 @@ from agent_support import ListBackend, ROOT, nq_tasks, random_student, retriever
 from memopd.agent.llm_teacher import LLMConfig, LLMTeacher, completion_generation, cut_after_action
 from memopd.agent.protocol import Task, parse_response, prefix_ids
 from memopd.agent.rollout import AgentConfig, rollout
-from memopd.agent.teacher import ScriptedConfig, ScriptedTeacher, keywords, memory_claims
+from memopd.agent.teacher import ScriptedConfig, ScriptedTeacher, _find, evidence, keywords, memory_claims, passages
 from memopd.agent.trajectories import FILTER_PREVIEW, summarize, unsupported_claims
 from memopd.records import load_episodes
 
@@ -118,6 +118,59 @@ def test_token_budget_shortens_instead_of_truncating():
     assert all(len(i.output_ids) <= 28 for e in eps for i in e.invocations)
     assert teacher.fits["short"] > 0 and sum(e.metrics["invalid_actions"] for e in eps) == teacher.fits["truncated"]
     assert all(unsupported_claims(e, tokenizer()) == [] for e in eps)
+
+
+def test_evidence_quote_by_hand():
+    """`evidence` on hand-made passages; the expected quotes are written out by hand."""
+    docs = [(1, "Mark Lawrence (ice hockey)", ("Mark Jay Lawrence (born January 27, 1972) is a Canadian ice hockey "
+             "winger who played for the Dallas Stars and the New York Islanders. He was born in Burlington.")),
+            (2, "Sir Syed University", "The university is honored in the name of Sir Syed.")]
+    def quote(alias, words):
+        m, _, title_len = _find([alias], docs)
+        return evidence(m, words, title_len)
+
+    assert quote("Burlington", 16) == "He was born in Burlington."  # the whole sentence fits
+    assert quote("Burlington", 2) == "in Burlington."
+    # too long: the words before the span (up to 3 after it; none here), the sentence's end kept
+    assert quote("New York Islanders", 8) == "the Dallas Stars and the New York Islanders."
+    # no word before the span: all the room goes after it
+    assert quote("Mark Jay Lawrence", 16) == \
+        "Mark Jay Lawrence (born January 27, 1972) is a Canadian ice hockey winger who played for"
+    assert quote("Canadian", 4) == "Canadian ice hockey winger"  # 3 words after the span first
+    assert quote("ice hockey", 3) == "ice hockey winger"  # in the title and the text: quoted from the text
+    assert quote("Canadian", 6) == "is a Canadian ice hockey winger"  # ... then the words before it
+    assert quote("Sir Syed University", 16) == "Sir Syed University"  # in the title only: the title
+    assert quote("Sir Syed University", 1) == "Sir Syed University"  # the span is never cut
+
+
+def test_evidence_is_the_passage_read_then_dropped():
+    """With `evidence` a finding's turn quotes the passage it came from (words of that passage, the span
+    inside, at most N words), the next turn's memory no longer has it, and every decision is the same."""
+    tasks = nq_tasks(8, n_questions=2, start=100)
+    plain, _ = _roll(tasks)
+    quoted, teacher = _roll(tasks, evidence=12)
+    tok, n = tokenizer(), 0
+    for a, b in zip(plain, quoted):
+        assert a.metrics["queries"] == b.metrics["queries"] and a.metrics["predictions"] == b.metrics["predictions"]
+        outs = _outs(b)
+        for t, o in enumerate(outs):
+            q = re.search(r'<think>Doc (\d+): "(.*)"\nQ', o)
+            if not q:
+                continue
+            n += 1
+            k, text = int(q.group(1)), q.group(2)
+            prompt = tok.decode(b.invocations[t].input_ids, skip_special_tokens=False)
+            obs = prompt[prompt.rfind("<information>") + len("<information>"): prompt.rfind("</information>")]
+            body = next(f"{title} {p}" for j, title, p in passages(obs) if j == k)
+            assert text in " ".join(body.replace(";", ",").split()) and 1 <= len(text.split()) <= 12
+            searched = int(re.search(r"Searching Q(\d+)\.", tok.decode(b.invocations[t - 1].output_ids)).group(1))
+            claim = re.search(rf"^Q{searched}: (.*) \(Doc {k}\)$", o.split("</think>")[0], re.M).group(1)
+            assert claim.lower() in text.lower()
+            if t + 1 < len(outs):
+                assert q.group(0)[len("<think>"):-2] not in outs[t + 1]  # this quote line is gone
+    assert n >= 4 and teacher.fits["truncated"] == 0
+    with pytest.raises(ValueError, match="evidence"):
+        ScriptedConfig(evidence=-1)
 
 
 def test_same_decisions_under_every_rule_that_keeps_the_memory():

@@ -12,7 +12,8 @@ memory it writes (under the default summary_replacement rule nothing else surviv
   3. if the memory says it was searching question i, looks for a gold alias in those passages and
      writes `Qi: <the alias as the passage spells it> (Doc k)`; when none is there it retries once with
      a reformulated query (budget permitting), then writes `Qi: not found (guess: <Doc 1 title>)` or
-     `Qi: not found`;
+     `Qi: not found`; with `evidence` a finding's turn first quotes its sentence (`Doc k: "..."`, that
+     turn only: the memory it rewrites next keeps just the `Qi:` lines);
   4. searches the next unsearched question (`Searching Qi.` in memory, the question as query), or
      answers `<answer>a1; a2; ...</answer>` when all are done or the last turn has come.
 So it claims only what a passage it saw supports; wrong answers come from retrieval failures (the
@@ -53,6 +54,8 @@ class ScriptedConfig:
     retries: int = 1  # reformulated searches of a question whose first search found no alias (0 or 1)
     unsupported: str = "guess"  # unanswered question: "guess" (title of Doc 1 of its last search) or "unknown"
     cite: bool = True  # write "(Doc k)" after a finding
+    evidence: int = 0  # > 0: a finding is preceded, in the memory of that turn only, by a quote of at most
+    # this many words of its sentence (`Doc k: "..."`): the reading shown before the answer it gives
     max_new_tokens: int | None = None  # response budget in tokens (None: unlimited); see _fit
 
     def __post_init__(self):
@@ -60,6 +63,8 @@ class ScriptedConfig:
             raise ValueError(f"bad scripted teacher config {self}")
         if self.retries not in (0, 1) or not 0 <= self.keywords_prob <= 1:
             raise ValueError(f"scripted teacher: retries must be 0 or 1, keywords_prob in [0, 1] ({self})")
+        if self.evidence < 0:
+            raise ValueError(f"scripted teacher: evidence must be >= 0 words ({self})")
 
 
 def split_prompt(text: str) -> tuple[str, int, str]:
@@ -90,6 +95,16 @@ def find_alias(aliases: list[str], docs: list[tuple[int, str, str]]) -> tuple[st
     """The first gold alias found in the passages, best-ranked passage first: (the span as the passage
     spells it, k). Matching ignores case and punctuation between words; the span must still be an exact
     match of an alias after SQuAD normalisation, so a claim never says more than the passage does."""
+    hit = _find(aliases, docs)
+    return (_spelled(hit[0]), hit[1]) if hit else None
+
+
+def _spelled(m: re.Match) -> str:
+    return " ".join(m.group(0).split())
+
+
+def _find(aliases: list[str], docs: list[tuple[int, str, str]]) -> tuple[re.Match, int, int] | None:
+    """find_alias's search: (the match in `title + " " + text` of passage k, k, len(title))."""
     for k, title, text in docs:
         body = f"{title} {text}"
         for alias in aliases:
@@ -99,8 +114,37 @@ def find_alias(aliases: list[str], docs: list[tuple[int, str, str]]) -> tuple[st
             # between words: up to 3 separators, never ';' (it splits answers) nor a line break (memory lines)
             m = re.search(r"(?<!\w)" + r"[^\w;\n]{0,3}".join(map(re.escape, words)) + r"(?!\w)", body, re.I)
             if m and exact_match(m.group(0), aliases):
-                return " ".join(m.group(0).split()), k
+                return m, k, len(title)
     return None
+
+
+def evidence(m: re.Match, words: int, title_len: int) -> str:
+    """The sentence of the passage around the match `m` (of `_find`, in `title + " " + text`; the title is
+    the first `title_len` characters), at most `words` whitespace-separated words that contain the whole
+    span: the whole sentence when it fits, else up to 3 words after the span and the words just before it
+    (those that tie it to the question), the room they leave going to the words after. A span found in the
+    title is quoted from the text when the text has it too, else the title is the quote. Whole words, as
+    the passage spells them."""
+    lo, hi = (title_len + 1 if m.start() > title_len else 0), len(m.string)
+    if m.start() < title_len:
+        in_text = m.re.search(m.string, title_len + 1)
+        if in_text:
+            m, lo = in_text, title_len + 1
+        else:
+            hi = title_len
+    body, a, b = m.string[:hi], m.start(), m.end()
+    ends = [e.end() for e in re.finditer(r"[.!?][\"')\]]*\s+", body[lo:a])]
+    s = lo + ends[-1] if ends else lo
+    e = re.search(r"[.!?][\"')\]]*(?=\s|$)", body[b:])
+    e = b + e.end() if e else len(body)
+    toks = [(t.start() + s, t.end() + s) for t in re.finditer(r"\S+", body[s:e])]
+    inside = [j for j, (u, v) in enumerate(toks) if u < b and v > a]
+    i, j = inside[0], inside[-1] + 1
+    room = max(words - (j - i), 0)
+    after = min(len(toks) - j, room, 3)
+    start = max(i - (room - after), 0)  # the words before the span get what 3 after it leave
+    after = min(len(toks) - j, room - (i - start))  # ... and any room they leave goes after it
+    return " ".join(body[toks[start][0]: toks[j + after - 1][1]].split()).replace(";", ",")
 
 
 @dataclass
@@ -155,33 +199,38 @@ class ScriptedTeacher:
         """The response text for a decoded prompt (deterministic given the seed)."""
         return self._compose(self.view(text), random.Random(seed), cite=self.cfg.cite)[0]
 
-    def _decide(self, v: _View) -> tuple[dict[int, str], int | None, bool]:
-        """Update the memory from the newest observation; pick (memory, question to search, is_retry)."""
-        mem, n = dict(v.memory), len(v.task.questions)
+    def _decide(self, v: _View) -> tuple[dict[int, str], int | None, bool, str]:
+        """Update the memory from the newest observation; pick (memory, question to search, is_retry,
+        the evidence line of a finding or "")."""
+        mem, n, quote = dict(v.memory), len(v.task.questions), ""
         unsearched = [q for q in range(1, n + 1) if q not in mem or mem[q] == ""]
         i = v.searching
         if i is not None:
             retry = mem.get(i) == NOT_YET
             unsearched = [q for q in unsearched if q != i]
-            hit = find_alias(v.task.answers[i - 1], v.docs)
+            hit = _find(v.task.answers[i - 1], v.docs)
             if hit:
-                mem[i] = f"{hit[0]} (Doc {hit[1]})"
+                mem[i] = f"{_spelled(hit[0])} (Doc {hit[1]})"
+                if self.cfg.evidence:
+                    quote = f'Doc {hit[1]}: "{evidence(hit[0], self.cfg.evidence, hit[2])}"'
             elif not retry and self.cfg.retries and v.turns_left >= len(unsearched) + 2:
                 mem[i] = NOT_YET  # retry now: this call + the unsearched + the answer fit the budget
-                return mem, i, True
+                return mem, i, True, quote
             else:
                 guess = v.docs[0][1].strip().replace(";", ",") if v.docs and self.cfg.unsupported == "guess" else ""
                 mem[i] = f"{NOT_FOUND} (guess: {guess})" if guess else NOT_FOUND
         if v.turns_left > 1 and unsearched:
-            return mem, unsearched[0], False
-        return mem, None, False  # answer: all searched, or the last turn
+            return mem, unsearched[0], False, quote
+        return mem, None, False, quote  # answer: all searched, or the last turn
 
     def _compose(self, v: _View, rng: random.Random, cite: bool = True, max_words: int | None = None) -> tuple[str, bool]:
         """(response text, is it a search). `max_words`: the budget is tight, so the memory drops its
         citations and the query keeps its first `max_words` keywords (an answer's memory becomes
         "Answering.")."""
-        mem, target, retry = self._decide(v)
+        mem, target, retry, quote = self._decide(v)
         lines = [f"Q{q}: " + (mem[q] if cite else re.sub(r" \(Doc \d+\)$", "", mem[q])) for q in sorted(mem)]
+        if quote and cite:  # a citation: shown only with them (a tight budget drops both); the next turn drops it
+            lines = [quote] + lines
         if target is None:
             answers = [_answer(mem.get(q, "")) for q in range(1, len(v.task.questions) + 1)]
             think = "Answering." if max_words is not None or not lines else "\n".join(lines)
