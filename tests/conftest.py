@@ -2,8 +2,14 @@ import pytest
 import torch
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups (plugins registered later run first)
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA: skip them (with the reason) on CPU machines."""
+    """Groups for `pytest -n 2 --dist loadgroup` (the README's test command; pytest-xdist): a file's tests on one
+    worker (its module fixtures are built once), every `gpu` test on one worker (one GPU), every `slurm` test on
+    one (one test cluster). `gpu` tests need CUDA: skip them (with the reason) on CPU machines."""
+    for item in items:
+        group = "gpu" if "gpu" in item.keywords else "slurm" if "slurm" in item.keywords else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (runs when a GPU machine is available)")
