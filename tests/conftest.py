@@ -1,21 +1,36 @@
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups (plugins registered later run first)
 def pytest_collection_modifyitems(config, items):
-    """Groups for `pytest -n 2 --dist loadgroup` (the README's test command; pytest-xdist): a file's tests on one
-    worker (its module fixtures are built once), every `gpu` test on one worker (one GPU), every `slurm` test on
-    one (one test cluster). `gpu` tests need CUDA: skip them (with the reason) on CPU machines."""
-    for item in items:
-        group = "gpu" if "gpu" in item.keywords else "slurm" if "slurm" in item.keywords else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
+    """`gpu` tests need CUDA: skip them (with the reason) on CPU machines."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (runs when a GPU machine is available)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def one_worker_at_a_time(request):
+    """Under the README's `pytest -n 2 --dist loadfile` (pytest-xdist) a file's tests share a worker (its module
+    fixtures are built once); `gpu` tests (one GPU) and `slurm` tests (one test cluster) of different files
+    take turns through a lock file of the run. (xdist's loadgroup would group them, but its groups do not
+    reach pytest 9.2's node ids.)"""
+    kind = next((k for k in ("gpu", "slurm") if k in request.node.keywords), None)
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if kind is None or run is None:
+        yield
+        return
+    with open(Path(tempfile.gettempdir()) / f"memopd-tests-{run}-{kind}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="session")
