@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from agent_support import random_student, tokenizer
-from memopd.agent.backends import HFBackend, Sampling, VLLMBackend, sample_next
+from memopd.agent.backends import HFBackend, Sampling, VLLMBackend, growing_cache, sample_next
 from memopd.agent.protocol import encode
 from memopd.attention import independent_logits, token_logprobs
 from memopd.records import Episode, Invocation
@@ -58,6 +58,58 @@ def test_hf_backend_seeded_batched_and_exact():
         last = g.output_ids[-1]
         assert (g.stop_reason == "length") == (len(g.output_ids) == 12 and last != tok.eos_token_id and last not in be.stop_ids)
     _check_exact(model, prompts, a, tol=1e-4)
+
+
+@pytest.mark.parametrize("reserve", [0, 3, 64])
+def test_growing_cache_is_transformers_cache_without_the_copies(reserve):
+    """growing_cache returns, at every prefill and decode step, keys and values equal to the bit to
+    DynamicLayer's (torch.cat) ones, also after rows leave the batch and when its buffer has to grow
+    (reserve 0 and 3 < the steps). A decode step writes into the buffer it has: over 6 steps of 9 + 6 tokens the
+    buffer is replaced when it is full (no room at the start: once, doubling; 3 free places: once, at the step
+    after rows left) and once after rows leave the batch (DynamicLayer's batch_select_indices replaces the
+    keys), never otherwise (cat: at every step). The backend's tokens and log-probs are DynamicCache's, bit for bit."""
+    from transformers import DynamicCache
+
+    import memopd.agent.backends as backends
+
+    tok, model = tokenizer(), random_student(0)
+    g = torch.Generator().manual_seed(0)
+    ids, mask = torch.randint(2, len(tok), (3, 9), generator=g), torch.ones(3, 9, dtype=torch.long)
+    mask[0, :4] = 0  # a left-padded row
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    caches = [DynamicCache(config=model.config), growing_cache(model.config, reserve)]
+    with torch.no_grad():
+        for c in caches:
+            model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, cache=c)
+        buffer, grown = caches[1].layers[0]._k.data_ptr(), 0
+        rows = torch.arange(3)
+        for step in range(6):
+            if step == 3:  # row 1 leaves the batch
+                rows = torch.tensor([0, 2])
+                for c in caches:
+                    c.batch_select_indices(torch.tensor([0, 2]))
+                mask, pos = mask[rows], pos[rows]
+                buffer = caches[1].layers[0]._k.data_ptr()
+            tok_ids = torch.randint(2, len(tok), (len(rows), 1), generator=g)
+            mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], -1), pos[:, -1:] + 1
+            for c in caches:
+                model(input_ids=tok_ids, attention_mask=mask, position_ids=pos, use_cache=True, cache=c)
+            for a, b in zip(caches[0].layers, caches[1].layers):
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            grown += caches[1].layers[0]._k.data_ptr() != buffer
+            buffer = caches[1].layers[0]._k.data_ptr()
+        assert grown == {0: 2, 3: 1, 64: 1}[reserve]
+
+    prompts = _prompts(tok)
+    be = HFBackend(model, tok, Sampling(max_new_tokens=12))
+    a = be.generate(prompts, [1, 2, 3])
+    orig = backends.growing_cache
+    backends.growing_cache = lambda config, reserve: DynamicCache(config=config)
+    try:
+        b = be.generate(prompts, [1, 2, 3])
+    finally:
+        backends.growing_cache = orig
+    assert [x.output_ids for x in a] == [x.output_ids for x in b] and [x.logprobs for x in a] == [x.logprobs for x in b]
 
 
 def test_hf_backend_stops():
