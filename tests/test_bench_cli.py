@@ -55,3 +55,16 @@ def test_bench_sft_writes_every_path(tmp_path):
     rows = _rows(out)
     assert {r["path"] for r in rows} == {"packed/segmented", "packed/sdpa", "padded"}
     assert all(int(r["batches"]) >= 1 and float(r["seconds"]) > 0 for r in rows)
+
+
+def test_bench_decode_writes_its_row(tmp_path):
+    model = tmp_path / "model"
+    random_student(0).save_pretrained(model)
+    tokenizer().save_pretrained(model)
+    out = tmp_path / "decode.csv"
+    main(["bench", "decode", "--model", str(model), "--batch", "4", "--tokens", "40", "--new-tokens", "6",
+          "--repeats", "2", "--threads", "1", "--out", str(out)])
+    (row,) = _rows(out)
+    assert row["identical_outputs"] == "True" and row["repeats"] == "2" and row["threads"] == "1"
+    assert float(row["growing_s"]) > 0 and float(row["dynamic_s"]) > 0 and float(row["prefill_s"]) > 0
+    assert float(row["speedup_lo"]) <= float(row["speedup"]) <= float(row["speedup_hi"])
