@@ -366,10 +366,14 @@ def cmd_report_matched_control(args, cfg):
 
 
 def cmd_report_sft(args, cfg):
-    """results/tables/sft_summary.csv: one row per model (student_init, student_sft, teacher_sft)."""
+    """results/tables/sft_summary.csv: one row per model (student_init, student_sft, teacher_sft), and each model's
+    F1 and EM against the reference model (--reference, the SFT student) task by task: the mean difference with a
+    95% paired bootstrap interval over tasks (the per-task CSV beside each evaluation's JSON), and whether it
+    excludes 0: is the teacher measurably better than the student, does SFT beat zero-shot."""
+    from memopd.report.results import paired_bootstrap, task_scores
     from memopd.report.tables import write_table
 
-    rows = []
+    rows, scores = [], {}
     for name, heldout, ev, info in zip(args.names, args.heldout, args.eval, args.info):
         h, e, i = (json.loads(Path(p).read_text()) for p in (heldout, ev, info))
         # train_seconds: SFT only; pretrain_seconds: the LM pre-training stage before it (0: none)
@@ -378,10 +382,30 @@ def cmd_report_sft(args, cfg):
                      "em": e["em"], "f1": e["f1"], "pretrain_seconds": i.get("pretrain", {}).get("train_seconds", 0.0),
                      "calls_per_episode": e["calls_per_episode"], "answered_rate": e["answered_rate"],
                      "copy_f1": e.get("copy_f1", float("nan"))})
+        scores[name] = {m: task_scores(Path(ev).with_suffix(".csv"), m) for m in ("f1", "em")}
+    if args.reference not in scores:
+        raise SystemExit(f"report sft: --reference {args.reference} is not among --names {args.names}")
+    notes, ref = [], scores[args.reference]
+    for row in rows:
+        for m in ("f1", "em"):
+            base, other = ref[m], scores[row["model"]][m]
+            if set(base) != set(other):
+                raise SystemExit(f"report sft: {row['model']} and {args.reference} were evaluated on other tasks "
+                                 f"({len(other)} vs {len(base)}): evaluate both on the same tasks")
+            ids = sorted(base)
+            pb = paired_bootstrap([base[t] for t in ids], [other[t] for t in ids])
+            row.update({f"{m}_vs_ref": pb["diff"], f"{m}_vs_ref_ci_low": pb["diff_ci"][0],
+                        f"{m}_vs_ref_ci_high": pb["diff_ci"][1]})
+        if row["model"] != args.reference:
+            lo, hi = row["f1_vs_ref_ci_low"], row["f1_vs_ref_ci_high"]
+            notes.append(f"Finding: {row['model']} - {args.reference}: F1 {row['f1_vs_ref']:+.3f} [{lo:+.3f}, {hi:+.3f}] "
+                         f"over {len(ref['f1'])} tasks, " + ("inside the noise (CI contains 0)" if lo <= 0 <= hi
+                                                            else "outside the noise (CI excludes 0)"))
     bench, n = Path(args.eval[0]).stem, json.loads(Path(args.eval[0]).read_text())["episodes"]
     write_table(rows, args.out, f"SFT summary: held-out target loss on the held-out turn examples; EM/F1, "
                 f"invalid-action rate, calls per episode, answered rate and the copy probe on {bench} "
-                f"({n} tasks, greedy)")
+                f"({n} tasks, greedy); *_vs_ref: the model minus {args.reference}, task by task, with a 95% paired "
+                f"bootstrap interval over tasks", notes=notes)
 
 
 def cmd_fetch(args, cfg):
@@ -550,6 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--heldout", nargs="+", required=True, help="results/sft/heldout_{name}.json, in --names order")
     sp.add_argument("--eval", nargs="+", required=True, help="results/eval/{name}/q2_test.json, in --names order")
     sp.add_argument("--info", nargs="+", required=True, help="results/models/{name}/memopd_model.json")
+    sp.add_argument("--reference", default="student_sft", help="the model every other is compared with, task by task")
     sp.add_argument("--out", default="results/tables/sft_summary.csv")
     from memopd.report.curves import add_parser as add_curves  # `report curves`: the training-curves figure
 

@@ -200,9 +200,10 @@ SFT_MODELS = ["student_init", "student_sft", "teacher_sft"]
 
 rule sft_summary:
     input:
-        src("report/tables", "cli"),
+        src("report/tables", "report/results", "cli"),
         heldout=expand("results/sft/heldout_{name}.json", name=SFT_MODELS),
         evals=expand("results/eval/{name}/q2_test.json", name=SFT_MODELS),
+        tasks=expand("results/eval/{name}/q2_test.csv", name=SFT_MODELS),  # per task: the paired intervals
         info=expand("results/models/{name}/model.safetensors", name=SFT_MODELS),
     output:
         csv=report("results/tables/sft_summary.csv", caption=caption("sft_summary"), category=REPORT_SFT,
