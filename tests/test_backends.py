@@ -70,8 +70,6 @@ def test_growing_cache_is_transformers_cache_without_the_copies(reserve):
     keys), never otherwise (cat: at every step). The backend's tokens and log-probs are DynamicCache's, bit for bit."""
     from transformers import DynamicCache
 
-    import memopd.agent.backends as backends
-
     tok, model = tokenizer(), random_student(0)
     g = torch.Generator().manual_seed(0)
     ids, mask = torch.randint(2, len(tok), (3, 9), generator=g), torch.ones(3, 9, dtype=torch.long)
@@ -103,12 +101,8 @@ def test_growing_cache_is_transformers_cache_without_the_copies(reserve):
     prompts = _prompts(tok)
     be = HFBackend(model, tok, Sampling(max_new_tokens=12))
     a = be.generate(prompts, [1, 2, 3])
-    orig = backends.growing_cache
-    backends.growing_cache = lambda config, reserve: DynamicCache(config=config)
-    try:
-        b = be.generate(prompts, [1, 2, 3])
-    finally:
-        backends.growing_cache = orig
+    be.make_cache = lambda config, reserve: DynamicCache(config=config)
+    b = be.generate(prompts, [1, 2, 3])
     assert [x.output_ids for x in a] == [x.output_ids for x in b] and [x.logprobs for x in a] == [x.logprobs for x in b]
 
 

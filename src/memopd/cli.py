@@ -370,7 +370,7 @@ def cmd_report_sft(args, cfg):
     F1 and EM against the reference model (--reference, the SFT student) task by task: the mean difference with a
     95% paired bootstrap interval over tasks (the per-task CSV beside each evaluation's JSON), and whether it
     excludes 0: is the teacher measurably better than the student, does SFT beat zero-shot."""
-    from memopd.report.results import paired_bootstrap, task_scores
+    from memopd.report.results import paired_over_tasks, task_scores
     from memopd.report.tables import write_table
 
     rows, scores = [], {}
@@ -388,19 +388,15 @@ def cmd_report_sft(args, cfg):
     notes, ref = [], scores[args.reference]
     for row in rows:
         for m in ("f1", "em"):
-            base, other = ref[m], scores[row["model"]][m]
-            if set(base) != set(other):
-                raise SystemExit(f"report sft: {row['model']} and {args.reference} were evaluated on other tasks "
-                                 f"({len(other)} vs {len(base)}): evaluate both on the same tasks")
-            ids = sorted(base)
-            pb = paired_bootstrap([base[t] for t in ids], [other[t] for t in ids])
-            row.update({f"{m}_vs_ref": pb["diff"], f"{m}_vs_ref_ci_low": pb["diff_ci"][0],
-                        f"{m}_vs_ref_ci_high": pb["diff_ci"][1]})
-        if row["model"] != args.reference:
-            lo, hi = row["f1_vs_ref_ci_low"], row["f1_vs_ref_ci_high"]
-            notes.append(f"Finding: {row['model']} - {args.reference}: F1 {row['f1_vs_ref']:+.3f} [{lo:+.3f}, {hi:+.3f}] "
-                         f"over {len(ref['f1'])} tasks, " + ("inside the noise (CI contains 0)" if lo <= 0 <= hi
-                                                            else "outside the noise (CI excludes 0)"))
+            try:
+                pt = paired_over_tasks(ref[m], scores[row["model"]][m])
+            except ValueError as e:
+                raise SystemExit(f"report sft: {row['model']} and {args.reference} were {e}") from None
+            row.update({f"{m}_vs_ref": pt["diff"], f"{m}_vs_ref_ci_low": pt["ci_low"],
+                        f"{m}_vs_ref_ci_high": pt["ci_high"]})
+            if m == "f1" and row["model"] != args.reference:
+                notes.append(f"Finding: {row['model']} - {args.reference}: F1 {pt['diff']:+.3f} "
+                             f"[{pt['ci_low']:+.3f}, {pt['ci_high']:+.3f}] over {pt['tasks']} tasks, {pt['noise']}")
     bench, n = Path(args.eval[0]).stem, json.loads(Path(args.eval[0]).read_text())["episodes"]
     write_table(rows, args.out, f"SFT summary: held-out target loss on the held-out turn examples; EM/F1, "
                 f"invalid-action rate, calls per episode, answered rate and the copy probe on {bench} "

@@ -86,6 +86,18 @@ def growing_cache(config, reserve: int):
     return cache
 
 
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, attention mask, position ids), each (B, L): the prompts left-padded to the longest, so every row's
+    next token sits in the last column; positions count each row's own tokens from 0."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[b, L - len(p) :] = 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 @dataclass
 class Generation:
     output_ids: list[int]
@@ -126,6 +138,7 @@ class HFBackend:
     """Batched sampling with a transformers causal LM and its KV cache."""
 
     name = "hf"
+    make_cache = staticmethod(growing_cache)  # (model config, reserve) -> KV cache; memopd bench decode swaps it
 
     def __init__(self, model, tokenizer, sampling: Sampling, stop_strings=("</search>", "</answer>")):
         self.model, self.tokenizer, self.sampling = model.eval(), tokenizer, sampling
@@ -153,20 +166,13 @@ class HFBackend:
         if not prompts:
             return []
         dev, B = self.device, len(prompts)
-        L = max(len(p) for p in prompts)
-        ids = torch.full((B, L), self.pad, dtype=torch.long)
-        mask = torch.zeros(B, L, dtype=torch.long)
-        for b, p in enumerate(prompts):  # left padding: every row's next token sits in the last column
-            ids[b, L - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[b, L - len(p) :] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+        ids, mask, pos = (t.to(dev) for t in left_padded(prompts, self.pad))
         gens = [torch.Generator(device=dev).manual_seed(int(s)) for s in seeds]
         outs: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
         reasons: list[str | None] = [None] * B
         rows = list(range(B))  # original index of each row still in the cache
-        cache = growing_cache(self.model.config, reserve=self.sampling.max_new_tokens)
+        cache = self.make_cache(self.model.config, reserve=self.sampling.max_new_tokens)
         res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
                          **{_CACHE_KW: cache})
         cache = getattr(res, _CACHE_KW)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from memopd.agent.backends import HFBackend, Sampling
+from memopd.agent.backends import HFBackend, Sampling, growing_cache, left_padded
 
 
 def _prompts(vocab: int, batch: int, tokens: int, seed: int) -> list[list[int]]:
@@ -29,32 +29,26 @@ def run(model, tokenizer, batch: int = 32, tokens: int = 450, new_tokens: int = 
     """One row: median seconds of a call with each cache and of the prefill, the speedups with their intervals."""
     from transformers import DynamicCache
 
-    import memopd.agent.backends as backends
     from memopd.audit.packing_bench import ratio_interval
 
     be = HFBackend(model, tokenizer, Sampling(temperature=0.0, max_new_tokens=new_tokens), stop_strings=())
     be.eos, be.stop_ids = set(), set()  # every row decodes new_tokens tokens: the same work in every repeat
     prompts = _prompts(len(tokenizer), batch, tokens, seed)
-    caches = {"growing": backends.growing_cache, "dynamic": lambda config, reserve: DynamicCache(config=config)}
+    caches = {"growing": growing_cache, "dynamic": lambda config, reserve: DynamicCache(config=config)}
+    ids, mask, pos = left_padded(prompts, be.pad)  # the prefill alone (what both share), as the backend lays it out
     times = {k: [] for k in caches}
     outs, prefill, last = {}, [], {}
     for r in range(repeats + 1):  # the first round warms up and is not timed
         for name in (list(caches) if r % 2 else list(caches)[::-1]):
-            backends.growing_cache = caches[name]
-            try:
-                t0 = time.perf_counter()
-                outs[name] = be.generate(prompts, list(range(batch)))
-                last[name] = time.perf_counter() - t0
-            finally:
-                backends.growing_cache = caches["growing"]
+            be.make_cache = caches[name]
+            t0 = time.perf_counter()
+            outs[name] = be.generate(prompts, list(range(batch)))
+            last[name] = time.perf_counter() - t0
             if r:
                 times[name].append(last[name])
         t0 = time.perf_counter()
-        with torch.no_grad():  # the prefill alone (what both share): left-padded like the backend's
-            L = max(map(len, prompts))
-            ids = torch.tensor([[be.pad] * (L - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
-            model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), logits_to_keep=1)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
         if r:
             prefill.append(time.perf_counter() - t0)
         log(f"repeat {r}{' (warm-up)' if not r else ''}: growing {last['growing']:.1f} s, dynamic {last['dynamic']:.1f} s, "

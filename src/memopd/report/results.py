@@ -163,10 +163,25 @@ def paired_bootstrap(base: list[float], other: list[float], n_boot: int = 2000, 
     return out
 
 
+def noise_label(lo: float, hi: float) -> str:
+    return "inside the noise (CI contains 0)" if lo <= 0 <= hi else "outside the noise (CI excludes 0)"
+
+
 def _noise(diff_ci: tuple[float, float], seeds: int) -> str:
     if seeds < 2 or math.isnan(diff_ci[0]):
         return "no interval (1 seed)"
-    return "inside the noise (CI contains 0)" if diff_ci[0] <= 0 <= diff_ci[1] else "outside the noise (CI excludes 0)"
+    return noise_label(*diff_ci)
+
+
+def paired_over_tasks(base: dict[str, float], other: dict[str, float]) -> dict:
+    """`other` minus `base`, task by task ({task_id: score} each, the same tasks): the mean difference, its 95%
+    bootstrap interval resampling tasks (pairs kept together), the number of tasks and the noise label."""
+    if set(base) != set(other):
+        raise ValueError(f"evaluated on other tasks ({len(other)} vs {len(base)}): evaluate both on the same tasks")
+    ids = sorted(base)
+    pb = paired_bootstrap([base[t] for t in ids], [other[t] for t in ids])
+    lo, hi = pb["diff_ci"]
+    return {"diff": pb["diff"], "ci_low": lo, "ci_high": hi, "tasks": len(ids), "noise": noise_label(lo, hi)}
 
 
 VS_STUDENT_COLUMNS = ["method", "horizon", "metric", "student", "mean", "diff", "ci_low", "ci_high", "tasks", "seeds",
@@ -200,15 +215,12 @@ def vs_student_rows(eval_dir: str | Path, student: str, methods: list[str], seed
                     if set(scores) != set(base):
                         raise ValueError(f"{eval_dir}/{m}_seed{s}/{bench}.csv: tasks differ from the student's "
                                          f"({len(scores)} vs {len(base)}): evaluate both on the same tasks")
-                ids = sorted(base)
-                other = [statistics.fmean(sc[t] for sc in per_seed) for t in ids]
-                pb = paired_bootstrap([base[t] for t in ids], other)
+                other = {t: statistics.fmean(sc[t] for sc in per_seed) for t in base}
+                pt = paired_over_tasks(base, other)
                 rows.append({"method": m, "horizon": horizon, "metric": metric,
-                             "student": statistics.fmean(base.values()), "mean": statistics.fmean(other),
-                             "diff": pb["diff"], "ci_low": pb["diff_ci"][0], "ci_high": pb["diff_ci"][1],
-                             "tasks": len(ids), "seeds": len(seeds),
-                             "noise": ("inside the noise (CI contains 0)" if pb["diff_ci"][0] <= 0 <= pb["diff_ci"][1]
-                                       else "outside the noise (CI excludes 0)")})
+                             "student": statistics.fmean(base.values()), "mean": statistics.fmean(other.values()),
+                             "diff": pt["diff"], "ci_low": pt["ci_low"], "ci_high": pt["ci_high"],
+                             "tasks": pt["tasks"], "seeds": len(seeds), "noise": pt["noise"]})
     return rows
 
 
