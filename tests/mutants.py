@@ -5,8 +5,9 @@ against it. Every mutant must make the test fail; the ones that survive are prin
     .venv/bin/python tests/mutants.py            # all mutants; exit 1 if any survives
     .venv/bin/python tests/mutants.py -k entropy # those whose name contains "entropy"
 
-The first six are the mutations a review found surviving the whole suite (issue 13); the rest are
-further single-line errors of the same update.
+The first six (reward placement, advantage normalisation, value clipping, entropy sign, value position,
+teacher mask) are errors that leave the update's losses finite and plausible, so that only a test computing
+the update independently is sure to catch them; the rest are further single-line errors of the same update.
 """
 from __future__ import annotations
 

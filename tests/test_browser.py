@@ -46,7 +46,7 @@ def _free_port() -> int:
 
 
 def _start_ui(db: Path, log: Path):
-    """`mlflow ui` on the store, one worker, this machine only (as the README starts it)."""
+    """`mlflow ui` on the store, one worker, this machine only (as docs/tracking.md "Locally" starts it)."""
     port = _free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{db}",

@@ -1,4 +1,4 @@
-"""Activation checkpointing (SFT and the PPO update) and FSDP2-sharded SFT (issue 15, item 4).
+"""Activation checkpointing (SFT and the PPO update) and FSDP2-sharded SFT.
 
 Checkpointing recomputes each decoder layer in the backward: in fp32 the loss and every gradient must be
 those of the plain forward, under each attention backend the trainers use (the packed backends switch the

@@ -1,5 +1,5 @@
 """The chunked full-vocabulary comparisons (rce, audit.alignment, audit.packing_bench) give the statistics of the
-unchunked computation they replaced: the old code is kept here, verbatim in what it computes, as the reference.
+unchunked computation, written out here (all positions at once) as the reference.
 Maxima, counts and top-1 figures must be bitwise equal; p99 and means equal (the same per-token vectors).
 
 A CPU BLAS rounds a matrix product of 1-3 rows differently from a larger one (~1 ulp), so the LM head of the
@@ -44,9 +44,9 @@ def episodes():
     return _episodes()
 
 
-# --- the unchunked reference (the code before chunking) ------------------------------------------------------
+# --- the unchunked reference (all positions at once) --------------------------------------------------------
 
-def _old_compare(ref_logits, logits, targets):
+def _unchunked_compare(ref_logits, logits, targets):
     ref_logits, logits = ref_logits.double(), logits.double()
     dlp = (token_logprobs(logits, targets) - token_logprobs(ref_logits, targets)).abs()
     return {"max_abs_dlogp": dlp.max().item(), "p99_abs_dlogp": torch.quantile(dlp, 0.99).item(),
@@ -56,23 +56,23 @@ def _old_compare(ref_logits, logits, targets):
 
 
 @torch.no_grad()
-def _old_rce_backend(model, episodes, backend, tol, ref_logits, layout="exact"):
+def _unchunked_rce_backend(model, episodes, backend, tol, ref_logits, layout="exact"):
     packs = [pack(ep, layout=layout) for ep in episodes]
     logits = torch.cat([packed_logits(model, p, backend) for p in packs])
     targets = torch.cat([p.targets for p in packs])
-    out = rce.gate(_old_compare(ref_logits, logits, targets), tol)
+    out = rce.gate(_unchunked_compare(ref_logits, logits, targets), tol)
     calls, offset = [], 0
     for e, p in enumerate(packs):
         for _, t, m in rce._per_call(p):
             sel = m.nonzero().squeeze(-1) + offset
             calls.append({"episode": e, "task_id": episodes[e].task_id, "call": t,
-                          **rce.gate(_old_compare(ref_logits[sel], logits[sel], targets[sel]), tol)})
+                          **rce.gate(_unchunked_compare(ref_logits[sel], logits[sel], targets[sel]), tol)})
         offset += p.targets.numel()
     out["per_call"] = calls
     return out
 
 
-def _old_state_logits(model, episodes, state):
+def _unchunked_state_logits(model, episodes, state):
     if state == "independent_batched":
         return independent_logits(model, episodes, batched=True)
     if state.startswith("packed_"):
@@ -81,7 +81,7 @@ def _old_state_logits(model, episodes, state):
 
 
 @torch.no_grad()
-def _old_state_rows(model, episodes, states, clip=0.2, chunk=8):
+def _unchunked_state_rows(model, episodes, states, clip=0.2, chunk=8):
     dlp, top1 = {s: [] for s in states}, dict.fromkeys(states, 0)
     for eps in alignment._chunks(episodes, chunk):
         ref = independent_logits(model, eps).double()
@@ -89,7 +89,7 @@ def _old_state_rows(model, episodes, states, clip=0.2, chunk=8):
         ref_lp = torch.log_softmax(ref, -1).gather(-1, targets[:, None]).squeeze(-1)
         ref_top = ref.argmax(-1)
         for state in states:
-            logits = _old_state_logits(model, eps, state).double()
+            logits = _unchunked_state_logits(model, eps, state).double()
             lp = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
             dlp[state].append(lp - ref_lp)
             top1[state] += int((logits.argmax(-1) != ref_top).sum())
@@ -105,7 +105,7 @@ def _old_state_rows(model, episodes, states, clip=0.2, chunk=8):
 
 
 @torch.no_grad()
-def _old_teacher_records(teacher, episodes):
+def _unchunked_teacher_records(teacher, episodes):
     recs = []
     for e, ep in enumerate(episodes):
         exact, flat = pack(ep), flatten_persistent(ep)
@@ -136,7 +136,7 @@ def test_rce_report_chunked_equals_unchunked(tiny_lm, episodes, chunk):
     backends = ["sdpa", "prefix_shared", "posids_no_mask"]
     with torch.no_grad():
         ref = independent_logits(tiny_lm, episodes)
-    want = {b: _old_rce_backend(tiny_lm, episodes, b, tol, ref) for b in backends}
+    want = {b: _unchunked_rce_backend(tiny_lm, episodes, b, tol, ref) for b in backends}
     got = _backend_results(tiny_lm, episodes, backends, chunk, tol)
     assert got == want
     assert got["posids_no_mask"]["max_abs_dlogit"] > 1e-3 and got["posids_no_mask"]["top1_agreement"] < 1
@@ -148,7 +148,7 @@ def test_rce_backend_chunked_equals_unchunked_on_other_layouts_and_given_referen
     tol = rce.tolerances("float32")
     with torch.no_grad():
         ref = independent_logits(tiny_lm, episodes)
-    want = _old_rce_backend(tiny_lm, episodes, "sdpa", tol, ref, layout=layout)
+    want = _unchunked_rce_backend(tiny_lm, episodes, "sdpa", tol, ref, layout=layout)
     for chunk in (2, 10**6):
         for kw in ({"ref_logits": ref}, {}):
             got = rce.rce_backend(tiny_lm, episodes, "sdpa", tol, layout=layout, dtype="float32", chunk=chunk, **kw)
@@ -190,7 +190,7 @@ def test_compare_chunked_equals_unchunked():
     ref = torch.randn(50, 97, generator=g) * 4
     logits = ref + torch.randn(50, 97, generator=g) * 1e-2
     targets = torch.randint(0, 97, (50,), generator=g)
-    want = _old_compare(ref, logits, targets)
+    want = _unchunked_compare(ref, logits, targets)
     for chunk in CHUNKS:
         assert rce.compare(ref, logits, targets, chunk=chunk) == want
 
@@ -198,7 +198,7 @@ def test_compare_chunked_equals_unchunked():
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_state_rows_chunked_equal_unchunked(tiny_lm, episodes, chunk):
     states = ["persistent_history", "independent_batched", "packed_sdpa", "corrupt_positions"]
-    want = _old_state_rows(tiny_lm, episodes, states, clip=0.01, chunk=2)  # a small clip: false clips happen
+    want = _unchunked_state_rows(tiny_lm, episodes, states, clip=0.01, chunk=2)  # a small clip: false clips happen
     rows = alignment.state_rows(tiny_lm, episodes, states, clip=0.01, chunk=2, logit_chunk=chunk)
     got = {r["state"]: {k: r[k] for k in want[r["state"]]} for r in rows}
     assert got == want
@@ -208,14 +208,14 @@ def test_state_rows_chunked_equal_unchunked(tiny_lm, episodes, chunk):
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_teacher_divergence_chunked_equals_unchunked(tiny_lm, episodes, chunk):
     """Every row (mean_kl sums the per-token KLs in order, so it sees each of them)."""
-    want = {r["invocation"]: r for r in _rows_from(_old_teacher_records(tiny_lm, episodes), episodes)}
+    want = {r["invocation"]: r for r in _rows_from(_unchunked_teacher_records(tiny_lm, episodes), episodes)}
     rows = {r["invocation"]: r for r in alignment.teacher_divergence(tiny_lm, episodes, logit_chunk=chunk)}
     assert rows == want
     assert rows["after_first_update"]["top1_changes"] > 0 and rows["after_first_update"]["mean_kl"] > 0
 
 
 def _rows_from(recs, episodes):
-    """The row aggregation of teacher_divergence applied to the old per-token records."""
+    """The row aggregation of teacher_divergence applied to the unchunked per-token records."""
 
     def row(name, sel):
         if not sel:
@@ -240,8 +240,8 @@ def test_context_update_rows_chunked_equal_unchunked(tiny_lm, episodes):
     for row in want:
         eps = by_rule[row["rule"]]
         with torch.no_grad():
-            old = _old_rce_backend(tiny_lm, eps, row["backend"], tol, independent_logits(tiny_lm, eps))
-        assert {k: row[k] for k in old if k in row} == {k: old[k] for k in old if k in row}
+            ref = _unchunked_rce_backend(tiny_lm, eps, row["backend"], tol, independent_logits(tiny_lm, eps))
+        assert {k: row[k] for k in ref if k in row} == {k: ref[k] for k in ref if k in row}
 
 
 # --- packing benchmark: RCE error and the timed log-probs -------------------------------------------------------
@@ -294,7 +294,7 @@ def test_with_the_blas_head_they_agree_to_rounding(tiny_lm, episodes, monkeypatc
     tol = rce.tolerances("float32")
     with torch.no_grad():
         ref = independent_logits(tiny_lm, episodes)
-    want = _old_rce_backend(tiny_lm, episodes, "posids_no_mask", tol, ref)
+    want = _unchunked_rce_backend(tiny_lm, episodes, "posids_no_mask", tol, ref)
     got = rce.rce_backend(tiny_lm, episodes, "posids_no_mask", tol, dtype="float32", chunk=3)
     for k in ("max_abs_dlogp", "p99_abs_dlogp", "mean_abs_dlogp", "max_abs_dlogit"):
         assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k

@@ -230,7 +230,7 @@ def _row(path, pass_, x, lo, R=2.0, chose=""):
             "rce_max_abs_dlogp": 0.0, "rce_max_abs_dlogit": 0.0}
 
 
-def test_summary_applies_the_issue_targets():
+def test_summary_applies_the_packing_targets():
     R = 2.0
     good = [_row("packed_prefix_shared", "forward", 0.86 * R, 1.2), _row("packed_prefix_shared", "forward_backward", 0.91 * R, 1.2),
             _row("packed_auto", "forward", 0.86 * R, 1.1, chose="prefix_shared"),

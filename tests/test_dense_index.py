@@ -45,7 +45,7 @@ def _emb(d):
 
 
 def _reference(q, v, k):
-    """The exact search as it was: the full (queries x N) score matrix, stable sort."""
+    """The exact search written plainly: the full (queries x N) score matrix, stable sort."""
     sims = q @ v.T
     idx = np.argsort(-sims, axis=1, kind="stable")[:, :k]
     return np.take_along_axis(sims, idx, axis=1), idx

@@ -30,20 +30,19 @@ def test_load_tasks_roundtrip(tmp_path):
     assert load_tasks(tmp_path / "b.parquet", limit=2) == tasks[:2]
 
 
-def test_eval_cli_writes_contract(tmp_path, monkeypatch):
+def test_eval_cli_writes_contract(tmp_path):
     model_dir = tmp_path / "student"
     random_student(0).save_pretrained(model_dir)
     tokenizer().save_pretrained(model_dir)
     _benchmark(tmp_path / "q2_test.parquet", n=5)
-    # TODO(issue 3): memopd.retrieval provides the index; until then the test's real BM25 stands in
-    monkeypatch.setattr(evaluate, "load_retriever", lambda path: retriever())
+    retriever().save(tmp_path / "index")  # a saved BM25 index, opened by memopd.retrieval as the step does
     cfg = {"agent": {"rule": "summary_replacement", "turns": {"default": 3}, "invalid_action": "continue",
                      "max_observation_tokens": 32},
            "rollout": {"backend": "hf", "dtype": "float32", "batch_size": 4, "max_new_tokens": 8, "temperature": 1.0},
            "eval": {"max_tasks": 4, "temperature": 0.0, "max_new_tokens": None}}  # null: the rollout's budget
     out = tmp_path / "eval/student/q2_test.json"
     main(["eval", "--cfg", json.dumps(cfg), "--seed", "1", "--model", str(model_dir), "--benchmark",
-          str(tmp_path / "q2_test.parquet"), "--index", "unused", "--out-dir", str(out.parent)])
+          str(tmp_path / "q2_test.parquet"), "--index", str(tmp_path / "index"), "--out-dir", str(out.parent)])
     res = json.loads(out.read_text())
     assert CONTRACT <= set(res) and res["episodes"] == 4
     assert 0 <= res["em"] <= 1 and 0 <= res["f1"] <= 1 and res["calls_per_episode"] == 3  # random init: no answers
@@ -170,10 +169,10 @@ def test_rce_rollouts_cli(tmp_path, monkeypatch):
 
 
 def test_model_steps_load_on_the_jobs_gpu_when_it_has_one(tmp_path, monkeypatch):
-    """rce-rollouts re-loaded its audit model (another dtype than the rollout's) on the CPU whatever the
-    job had (issue 15, item 5). With a GPU reported, every load asks for it: the rollout model, the
-    re-load, and `memopd rce` without --device. No GPU here: the loads record the device and load on
-    the CPU; the re-load (and then every load) stops the step once recorded."""
+    """rce-rollouts re-loads its audit model (another dtype than the rollout's): on the job's GPU too, not
+    on the CPU. With a GPU reported, every load asks for it: the rollout model, the re-load, and
+    `memopd rce` without --device. The test needs no GPU: the loads record the device and load on the
+    CPU; the re-load (and then every load) stops the step once recorded."""
     import torch
 
     import memopd.models as models

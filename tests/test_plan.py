@@ -21,10 +21,10 @@ REPO = Path(__file__).resolve().parents[1]
 PAPER, EMBEDDED = REPO / "config/paper.yaml", REPO / "config/config.yaml"
 # Modelled rules that are not part of `all` at paper scale (bench_sft is its own target).
 NOT_IN_ALL = {"bench_sft"}
-# Every job of `all` fits 80 GB GPUs and its mem_mb (test_paper_plan_fits_on_80gb_gpus): training and SFT since FSDP2
+# Every job of `all` fits 80 GB GPUs and its mem_mb (test_paper_plan_fits_on_80gb_gpus): training and SFT through FSDP2
 # SFT and activation checkpointing (test_paper_training_and_sft_fit_on_80gb_gpus); the jobs that load the dense
-# index since it is built in shards and memory-mapped (test_dense_index_jobs_fit); RCE, the RCE of rollouts and
-# the alignment audits since they compare logits rce.CHUNK action positions at a time, with the rollouts' vLLM
+# index because it is built in shards and memory-mapped (test_dense_index_jobs_fit); RCE, the RCE of rollouts and
+# the alignment audits because they compare logits rce.CHUNK action positions at a time, with the rollouts' vLLM
 # engine at a share that leaves the scoring model room (test_the_chunked_comparisons_fit_on_80gb_gpus,
 # test_rce_rollouts_fits_beside_its_engine).
 
@@ -50,10 +50,10 @@ def _misfits(cfg, rules=None) -> dict[str, list[str]]:
     return {j.name: j.failures() for j in plan(cfg, rules) if j.failures()}
 
 
-def _fixed(cfg: dict) -> dict:
-    """Paper scale with the changes that make its training and SFT jobs fit (see README, "The resource plan"):
-    activation checkpointing in both trainers and FSDP for SFT (trainer features the plan already reads),
-    and host memory for the jobs that hold the dense index."""
+def _made_to_fit(cfg: dict) -> dict:
+    """Paper scale with the settings that make its training and SFT jobs fit (docs/cluster.md "The resource plan"):
+    activation checkpointing in both trainers and FSDP for SFT (trainer features the plan reads), and host
+    memory for the jobs that hold the dense index."""
     w = copy.deepcopy(cfg)
     w["train"]["activation_checkpointing"] = True
     w["sft"].update(shard="fsdp", activation_checkpointing=True)
@@ -234,7 +234,7 @@ def test_embedded_default_fits_its_resources():
 
 
 def test_paper_plan_fits_on_80gb_gpus():
-    """The plan of config/paper.yaml: every job of `all` fits its GPUs (80 GB) and mem_mb (was: 14 jobs did not)."""
+    """The plan of config/paper.yaml: every job of `all` fits its GPUs (80 GB) and mem_mb."""
     from memopd.plan import failures, plan
 
     cfg = _cfg()
@@ -244,7 +244,7 @@ def test_paper_plan_fits_on_80gb_gpus():
 def test_rce_rollouts_fits_beside_its_engine():
     """rce_rollouts keeps its vLLM engine up while the audited model scores: at evaluate.make_backend's default
     share (0.85 x 80 GB) the two need 86 GB; rce_rollouts.gpu_memory_utilization 0.5 leaves room. The behaviour
-    log-probs (evaluate.behaviour_mismatch) are chunked like RCE (was: all 393k action tokens x V at once, 597 GB)."""
+    log-probs (evaluate.behaviour_mismatch) are chunked like RCE (all 393k action tokens x V at once: 597 GB)."""
     from memopd.plan import COMPARE_CHUNK, GB, failures, plan
 
     cfg = _cfg()
@@ -274,8 +274,7 @@ def test_dense_index_jobs_fit():
 
 def test_the_chunked_comparisons_fit_on_80gb_gpus():
     """RCE, the training guard and the alignment audits compare full-vocabulary logits rce.CHUNK action positions at
-    a time (was: all N at once, with float64 copies: RCE of rollouts 2,150.8 GB, the state audits 209.1 GB, teacher
-    divergence 52.3 GB, context updates 597.4 GB, the guard 67.2 GB)."""
+    a time, not all N at once (the training guard's logits alone would need 67.2 GB)."""
     from memopd.plan import COMPARE_CHUNK, GB, plan
 
     jobs = {j.name: j for j in plan(_cfg())}
@@ -294,11 +293,12 @@ def test_the_chunked_comparisons_fit_on_80gb_gpus():
 
 
 def test_paper_training_and_sft_fit_on_80gb_gpus():
-    """What made them fit (issue 15, item 4): FSDP2 SFT (fp32 AdamW of the 7B teacher 121.8 GB -> 15.2 GB per
-    GPU over 8, no DDP buckets, no autocast casts) and activation checkpointing in both trainers (7B SFT
-    activations of a 12,288-token pack 89.8 -> 8.1 GB; policy + critic over a 16,256-token episode 176.2 ->
-    14.5 GB), the RCE guard on 2 episodes in chunks (5.7 GB; unchunked its logits needed 67.2 GB) and 640 GB of
-    host memory for the training job. Before: train 222.8 GB per GPU, SFT student 139.8, teacher 261.2."""
+    """What makes them fit: FSDP2 SFT (fp32 AdamW of the 7B teacher 121.8 GB -> 15.2 GB per GPU over 8, no DDP
+    buckets, no autocast casts) and activation checkpointing in both trainers (7B SFT activations of a
+    12,288-token pack 89.8 -> 8.1 GB; policy + critic over a 16,256-token episode 176.2 -> 14.5 GB), the RCE
+    guard on 2 episodes in chunks (5.7 GB; unchunked its logits would need 67.2 GB) and the training job's host
+    memory. Without FSDP and checkpointing the plan gives train 227.7 GB per GPU, SFT student 139.8, teacher
+    261.2."""
     from memopd.plan import GB, plan
 
     cfg = _cfg()
@@ -312,10 +312,10 @@ def test_paper_training_and_sft_fit_on_80gb_gpus():
     assert round(t["activations (policy + critic)"][0] / GB, 1) == 14.5
 
 
-def test_the_proposed_changes_make_training_sft_and_index_jobs_fit():
+def test_checkpointing_fsdp_and_host_memory_make_training_sft_and_index_jobs_fit():
     from memopd.plan import failures, plan
 
-    w = _fixed(_cfg())
+    w = _made_to_fit(_cfg())
     rules = {"train", "sft_train", "retrieval_index", "retrieval_recall", "eval", "audit_episodes",
              "audit_rule_episodes", "sft_trajectories", "rce_smoke", "model_init", "sft_eval"}
     assert failures(w, plan(w, rules)) == []
@@ -326,11 +326,11 @@ def test_the_proposed_changes_make_training_sft_and_index_jobs_fit():
     ({"train": {"shard": "none"}}, "largest: policy + critic (AdamW) 98.8 GB"),
 ])
 def test_an_undersized_config_is_refused_naming_the_job(change, needs):
-    """Training that fits 80 GB GPUs (with the proposed changes) is refused on 24 GB GPUs, or without FSDP
+    """Training that fits 80 GB GPUs (with those settings) is refused on 24 GB GPUs, or without FSDP
     (fp32 AdamW of a 3B policy + 3B critic on every GPU)."""
     from memopd.plan import plan
 
-    w = _fixed(_cfg())
+    w = _made_to_fit(_cfg())
     for section, values in change.items():
         w[section].update(values)
     bad = {j.name: j.failures() for j in plan(w, {"train"})}

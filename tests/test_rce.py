@@ -191,7 +191,7 @@ def test_guard_fails_on_a_logit_the_sampled_log_probs_do_not_see(tiny_lm, monkey
     eps = [replace(e, task_id=f"e{k}") for k, e in enumerate(_episodes(23, "full_retention", 3))]
     monkeypatch.setattr(rce, "packed_logits", _one_logit_moved(rce.packed_logits))
     r = rce_backend(tiny_lm, eps, "sdpa", dtype="float32")
-    assert r["max_abs_dlogp"] <= 1e-4  # the sampled tokens alone pass (the gate before this change)
+    assert r["max_abs_dlogp"] <= 1e-4  # the sampled tokens alone pass (a gate on |d log p| only would let it through)
     assert r["max_abs_dlogit"] == pytest.approx(1e-2, rel=1e-3)
     assert not r["passed"] and r["failed_on"] == ["dlogit"]
     assert all(not c["passed"] and c["failed_on"] == ["dlogit"] for c in r["per_call"])

@@ -49,7 +49,7 @@ def test_cli_writes_the_figure_without_tracking(tmp_path, capsys):
 
 def test_the_curves_rule_reads_every_main_run():
     """`results/figures/training_curves.png` (in `all`) reads the metrics of train.methods x train.seeds and
-    names agent.reward in the reward panel (was: "F1" while the embedded default trains on EM)."""
+    names agent.reward in the reward panel (EM on the embedded default, whose agent.reward is em)."""
     import subprocess
     import sys
     from pathlib import Path

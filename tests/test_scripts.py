@@ -1,4 +1,4 @@
-"""The analysis scripts of workflow/scripts/ (not pipeline steps; README)."""
+"""The analysis scripts of workflow/scripts/ (not pipeline steps; docs/outputs.md "Analysis scripts")."""
 import importlib.util
 import os
 from pathlib import Path

@@ -488,7 +488,7 @@ def test_llm_teacher_shards_send_the_one_process_seeds(tmp_path):
 def test_vllm_server_runs_under_the_steps_own_interpreter(tmp_path, monkeypatch):
     """`vllm serve` is started as `sys.executable -m vllm.entrypoints.cli.main serve` (what the `vllm` script
     runs), whatever PATH holds: Snakemake run as .venv/bin/snakemake without activation has no vllm on PATH
-    (failed before: shutil.which("vllm") refused to start). No server is started here."""
+    (so a lookup with shutil.which("vllm") would refuse to start). No server is started here."""
     import sys
 
     from memopd.agent.llm_teacher import VLLMServer

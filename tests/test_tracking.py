@@ -137,9 +137,9 @@ def test_the_environment_uri_is_used_unchanged(monkeypatch):
 
 @pytest.mark.parametrize("uri", ["http://127.0.0.1:5000", "http://localhost:5000/", "https://[::1]:8443"])
 def test_a_loopback_server_is_refused_inside_a_slurm_job(monkeypatch, uri):
-    """Issue 15, item 10: compute jobs inherited MLFLOW_TRACKING_URI=http://127.0.0.1:5000 from the login node,
-    which names the compute node itself. Inside a SLURM job that is refused, naming the fix; outside one
-    (a local run) and for a server on a reachable host it is used unchanged."""
+    """A compute job that inherits MLFLOW_TRACKING_URI=http://127.0.0.1:5000 from the login node would log to
+    the compute node itself. Inside a SLURM job that is refused, naming the fix; outside one (a local run) and
+    for a server on a reachable host it is used unchanged."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert resolve_uri() == uri

@@ -107,9 +107,9 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_any_model_loads(setu
 
 
 def test_a_finished_run_deletes_its_checkpoint_unless_kept(setup, tmp_path):
-    """Checkpoint retention (issue 15, item 12): a paper-scale checkpoint is ~74 GB and was kept forever.
-    A finished run keeps metrics.jsonl and model/ and deletes checkpoint/ (keep_checkpoint: false, both
-    configs); an interrupted run keeps it, since resume needs it."""
+    """Checkpoint retention (a paper-scale checkpoint is ~74 GB): a finished run keeps metrics.jsonl and
+    model/ and deletes checkpoint/ (keep_checkpoint: false, both configs); an interrupted run keeps it, since
+    resume needs it."""
     d, cfg = setup
     short = {**cfg, "train": {**cfg["train"], "steps": 2, "keep_checkpoint": False}}
     _run((d, short), tmp_path / "cut", stop_after=1)

@@ -87,7 +87,7 @@ def test_matched_control_target_needs_exactly_its_runs(tmp_path):
 
 def test_all_includes_the_matched_control_and_reuses_the_main_runs():
     """Embedded default: the control's seeds are train.seeds, so `all` trains 3 runs (1 seed x 3 methods), not
-    more, and results_tables (Tables 1-2) no longer writes the control's table."""
+    more, and results_tables (Tables 1-2) does not write the control's table."""
     res = snakemake("all", "-n", "--forceall")
     assert res.returncode == 0, res.stdout + res.stderr
     blocks = _dry_run_blocks(res.stdout)
@@ -102,9 +102,9 @@ def test_all_includes_the_matched_control_and_reuses_the_main_runs():
 
 def test_an_evaluation_reruns_only_when_what_it_reads_changes(tmp_path):
     """An eval job's params (Snakemake reruns a job whose params changed) hold eval's settings for its own
-    benchmark only: adding a benchmark or a model leaves the other evaluations' commands as they were (was:
-    the whole eval section, so adding q16_test reran every evaluation), and a budget given per benchmark
-    reaches its job resolved."""
+    benchmark only: adding a benchmark or a model leaves the other evaluations' commands as they were (the
+    whole eval section would rerun every evaluation when a benchmark is added), and a budget given per
+    benchmark reaches its job resolved."""
     def command(cfg=None):
         args = ["results/eval/student_sft/q2_test.json", "-n", "-p", "--forceall"]
         res = snakemake(*args, *(["--configfile", str(cfg)] if cfg else []))

@@ -121,12 +121,13 @@ def choose(shape: Shape, dims: Dims, candidates, weights: dict[str, float], devi
 
 
 # Without a calibration for a (device, dtype, pass), `weights` falls back to the same device's other pass or
-# dtype, then to FLOP counting (all FLOP terms 1, the overheads free). cuda: not calibrated (no GPU here): FLOP
+# dtype, then to FLOP counting (all FLOP terms 1, the overheads free). cuda: not calibrated: FLOP
 # counting with flex's visible pairs at the dense rate, so flex wins wherever masked-out pairs dominate; run the
 # benchmark on the GPU (`memopd bench packing --weights-out`) to replace it.
 WEIGHTS: dict[tuple[str, str, str], dict[str, float]] = {
     # `memopd bench packing --repeats 12 --threads 2` on 2 Intel cores without AMX, tiny Qwen2 h256 x 4, fp32, all
-    # nine configurations (before segmented's fused call blocks; checked on a later run: README "Packing benchmark")
+    # nine configurations, timed with segmented's unfused call blocks; the fused blocks' run is out of sample for
+    # them (docs/results.md "Packing benchmark")
     ("cpu", "float32", "forward"): {"lin": 8.139e-12, "attn": 9.810e-12, "inv": 0.0, "copy": 3.398e-09, "dec": 3.487e-03},
     ("cpu", "float32", "forward_backward"): {"lin": 2.606e-11, "attn": 2.857e-11, "inv": 0.0, "copy": 6.242e-09,
                                              "dec": 1.175e-02},

@@ -40,7 +40,7 @@ QUANTITIES = {"dlogp": ("max_abs_dlogp", "|d log p|"), "dlogit": ("max_abs_dlogi
 #     max |d logit| 6e-8 - 1.4e-6; max |d log p| 4.8e-7 - 9.5e-7 (1-2 fp32 ulps: `token_logprobs` rounds
 #     log p to fp32). lm_head scaled so logits reach |20|, as a trained model's do: |d logit| 6.7e-6 - 1.9e-5,
 #     |d log p| 6.7e-6 - 1.7e-5; at |40| 1.3e-5 - 1.5e-5. The floor (reduction order only) grows up to
-#     ~1e-6 x max|logit|; an earlier measurement on the SFT student gave up to 4e-5 |d log p| at |20|.
+#     ~1e-6 x max|logit|; a measurement on an SFT student gave up to 4e-5 |d log p| at |20|.
 #   Structural errors, |d logit| / |d log p| (tiny Qwen2, sdpa): persistent history or a leaking mask
 #     0.09-0.18 / 0.04-0.11 at |1|, 2.3-4.8 / 0.8-3.3 at |20|; running positions only 2.5e-3 - 4.7e-3 /
 #     6e-4 - 3e-3 at |1|, 0.07-0.12 / 0.02-0.1 at |20|; position ids without a mask 0.17-0.36 at |1|,
@@ -54,7 +54,7 @@ QUANTITIES = {"dlogp": ("max_abs_dlogp", "|d log p|"), "dlogit": ("max_abs_dlogi
 #     |20| (the ulp in [16, 32)), 0.25 at |40|; fp16 4.9e-4 at |0.7|, 1.6e-2 at |20| (measured pure and, for
 #     bf16, under autocast as the training guard runs). |d logit| tolerance = 4 ulps of a logit in [16, 32)
 #     (2 in [32, 64)): bf16 0.5, fp16 0.0625. |d log p| follows the same ulp: bf16 measured 0.12-0.14 at
-#     |20| and up to 0.34 at |40| (the former 5e-2 would stop a trained bf16 model on noise), so bf16
+#     |20| and up to 0.34 at |40| (a tolerance of 5e-2 would stop a trained bf16 model on noise), so bf16
 #     |d log p| is 0.5 too (still below the persistent history's 0.8-3.3 at |20|; a positions-only error
 #     of a trained model, 0.02-0.1, is under the bf16 floor and only fp32 can see it); fp16 1.6e-2 at |20|,
 #     under its 2e-2.

@@ -52,8 +52,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 
 def resolve_uri(configured: str = DEFAULT_URI) -> str:
     """MLFLOW_TRACKING_URI when it is set (unchanged), else the configured URI. Inside a SLURM job a server URI on
-    the loopback address is refused: it names the compute node itself, where no server runs (the recipe of a
-    login-node server exported as http://127.0.0.1:5000 logged nothing; README "SFT and experiment tracking")."""
+    the loopback address is refused: it names the compute node itself, where no server runs (a login-node
+    server exported as http://127.0.0.1:5000 would receive nothing; docs/tracking.md "On a SLURM cluster")."""
     from urllib.parse import urlsplit
 
     uri = os.environ.get("MLFLOW_TRACKING_URI") or configured
@@ -61,7 +61,8 @@ def resolve_uri(configured: str = DEFAULT_URI) -> str:
     if host in LOOPBACK and os.environ.get("SLURM_JOB_ID"):
         raise ValueError(f"tracking URI {uri} inside SLURM job {os.environ['SLURM_JOB_ID']} points at this compute "
                          "node, not at the login node's server: start `mlflow server --host $(hostname -f)` and "
-                         "export MLFLOW_TRACKING_URI=http://<that host>:5000 before submitting (README)")
+                         "export MLFLOW_TRACKING_URI=http://<that host>:5000 before submitting "
+                         "(docs/tracking.md \"On a SLURM cluster\")")
     return uri
 
 

@@ -1,5 +1,5 @@
 # Agent evaluation and the RCE audit of real rollouts (src/memopd/agent).
-# Inputs from the benchmarks/retrieval step (issue 3): results/benchmarks/{benchmark}.parquet and the
+# Inputs from the benchmarks/retrieval steps: results/benchmarks/{benchmark}.parquet and the
 # index directory results/retrieval/index.
 
 AGENT_SRC = src("agent/__init__", "agent/protocol", "agent/memory", "agent/backends", "agent/rollout",

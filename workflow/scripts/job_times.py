@@ -1,5 +1,5 @@
 """Where a run's time went: Snakemake's `benchmark:` file of every job (results/logs/bench/), summed by rule.
-Not a pipeline step: read it after `snakemake -c 2 all` (README "The two commands").
+Not a pipeline step: read it after `snakemake -c 2 all` (docs/results.md "Main job times").
 
     python workflow/scripts/job_times.py [results/logs/bench]
 

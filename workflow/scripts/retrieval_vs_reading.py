@@ -1,5 +1,6 @@
 """Where an evaluation loses F1: retrieval (the gold answer never reached the agent) or reading (it did, and the
-answer is wrong). Not a pipeline step: an analysis of `memopd eval` outputs (README "What SmolLM2 learns from SFT").
+answer is wrong). Not a pipeline step: an analysis of `memopd eval` outputs
+(docs/results.md "Where F1 is lost: reading, not retrieval").
 
     python workflow/scripts/retrieval_vs_reading.py MODEL_DIR results/eval/student_sft/q2_test
 

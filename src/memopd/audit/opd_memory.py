@@ -3,7 +3,7 @@
 Each measurement runs in a fresh subprocess and reads the peak resident set size (CPU) or the CUDA
 allocator's peak, minus the baseline after the inputs and heads exist. The naive version (full
 (N, V) logits for student and teacher) is measured at small N and scaled linearly, because at
-N = 8,192, V = 151,936 it needs ~20 GB+ and would not fit this machine.
+N = 8,192, V = 151,936 it needs ~20 GB+, more than a small machine holds.
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ from memopd.rce import CHUNK, chunked_token_logprobs, spans, tolerances
 from memopd.records import Episode
 from memopd.synthetic import random_episode
 
-# The sweep of the foundation issue: T in {4, 8, 16} x prefix in {128, 256, 512}; context ~200 and
+# The nine-configuration sweep: T in {4, 8, 16} x prefix in {128, 256, 512}; context ~200 and
 # response ~64 tokens per call; a tiny Qwen2 of hidden 256, 4 layers, vocab 4096, fp32.
 DEFAULTS = {
     "calls": [4, 8, 16],
@@ -310,7 +310,7 @@ def run_real(model, episodes: list[Episode], calls=(2, 4, 6), n_episodes: int = 
     return rows
 
 
-# Targets of issue 17 (per configuration, speedup over batched independent calls): the best exact path and
+# The packing targets (per configuration, speedup over batched independent calls): the best exact path and
 # `auto` >= 1.0x with the interval's lower bound; where R >= 1.75, forward >= 0.85 R and forward+backward
 # >= 0.9 R (medians). For scale: the paper reports 1.08-1.63x, verl's prefix grouping 1.26-1.70x.
 TARGETS = {"min_lower": 1.0, "r_from": 1.75, "forward": 0.85, "forward_backward": 0.9}

@@ -1,5 +1,5 @@
 """The audit steps behind `memopd audit ...`: roll out the audit episodes once, then one table (CSV +
-Markdown with a caption saying what produced it) and, where the issue asks, one PNG figure per step.
+Markdown with a caption saying what produced it) and, for some steps, one PNG figure.
 
 Tables (results/tables/) and what they read:
   alignment_audit     persistent history, batched independent calls, packed backends vs independent calls

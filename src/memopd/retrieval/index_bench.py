@@ -2,8 +2,8 @@
 synthetic corpora of growing size, each build in a fresh child process (ru_maxrss is a process's peak).
 
 The encoder is synthetic (no model): a passage "t{i}\\n{i}" gets a fixed unit vector of i, so the figures
-measure the index machinery alone: a build whose peak RSS grows with N (not with the shard) is the bug
-this guards against (the one-shot build held ~3 copies of 21M x 768 float32).
+measure the index machinery alone: a build whose peak RSS grows with N (not with the shard) is what this
+guards against (a one-shot build would hold ~3 copies of 21M x 768 float32).
 """
 from __future__ import annotations
 
