@@ -1,0 +1,311 @@
+"""One planner per group of rules (training, SFT, scoring and audits, rollouts, data), and `plan`: every
+modelled job of a config."""
+from __future__ import annotations
+
+import math
+
+from memopd.agent.memory import RULES
+from memopd.plan.jobs import Job, _common, _fsdp, _job, _resources, _retriever, _rollouts, _scoring, _vllm
+from memopd.plan.memory import (COMPARE_CHUNK, DIVERGENCE_BYTES, STATE_BYTES, TOKEN_BYTES, _rce_terms, act_per_token,
+                                attention_scores, call_input, episode_tokens, max_turns, new_tokens, resolve_backend)
+from memopd.plan.models import BYTES, GB, Spec, _plan, model_role, resolve, role_spec
+
+
+def plan_train(cfg: dict) -> list[Job]:
+    t, ro = cfg["train"], cfg["rollout"]
+    job = _job(cfg, "train")
+    w = max(job.gpus, 1)
+    s = w if t.get("shard", "none") == "fsdp" and w > 1 else 1
+    dt, ckpt = t.get("dtype", "float32"), bool(t.get("activation_checkpointing", False))
+    pol, tea = role_spec(cfg, "student"), role_spec(cfg, "teacher")
+    k = t.get("critic_layers") or pol.layers  # critic = the policy's first k decoder layers + a scalar head
+    pc = pol.params - (pol.layers - k) * pol.layer_params + pol.hidden + 1
+    both = 1 + k / pol.layers  # policy + critic, in units of the policy's decoder
+    tokens, actions = episode_tokens(cfg, t["benchmark"], ro["max_new_tokens"])
+    local = math.ceil(t["batch_tasks"] / w)
+    opd = any(m != "ppo" for m in t["methods"])
+    for ph in ("rollout", "scoring", "update"):
+        _common(job, cfg, ph)
+        job.add(ph, "policy + critic (AdamW)", (pol.params + pc) * 16 / s, f"(P + P_critic) x 16 B / {s}")
+        job.add(ph, "reference", pol.params * 4 / s, f"P x 4 B / {s}")
+        if opd:
+            job.add(ph, "teacher replica", tea.weights(dt), f"P_T {tea.params:,} x {BYTES[dt]} B")
+    v = t.get("vllm", {})
+    sleeping = ro.get("backend", "hf") == "vllm" and v.get("sleep", False)
+    if ro.get("backend", "hf") == "vllm":
+        for ph in ("rollout",) if sleeping else ("rollout", "scoring", "update"):
+            _vllm(job, cfg, ph, pol, v.get("gpu_memory_utilization", 0.9), ro.get("vllm", {}).get("max_model_len", 16384))
+    else:  # hf: the policy itself generates, gathered whole when sharded
+        _rollouts(job, cfg, "rollout", pol, t["benchmark"], ro["max_new_tokens"], local, weights=False)
+        if s > 1:
+            job.add("rollout", "gathered policy", pol.params * BYTES[dt], f"P x {BYTES[dt]} B")
+    if s > 1:  # parallel.gathered(policy, ref, critic): three whole models in the FSDP param dtype while scoring
+        job.add("scoring", "gathered policy, ref, critic", 3 * pol.params * BYTES[dt], f"3 x P x {BYTES[dt]} B")
+    big = tea if opd else pol  # the largest model scored: one layer's activations alive at a time
+    job.add("scoring", "forward (no grad)", tokens * act_per_token(big, dt) / big.layers,
+            f"T_pack {tokens} x one layer's activations")
+    n = min(t["ppo"].get("rce_sample", 0), local)  # the RCE guard before every update (rce.guard -> rce_backend)
+    if n:
+        for term, nbytes, formula in _rce_terms(pol, BYTES[dt], n * actions, actions,
+                                                f"{n} episodes x {actions} actions"):
+            job.add("scoring", f"RCE guard: {term}", nbytes, formula)
+    for ph in ("scoring", "update"):
+        if opd:
+            job.add(ph, "teacher hidden", local * actions * tea.hidden * BYTES[dt],
+                    f"{local} episodes x {actions} actions x h_T x {BYTES[dt]} B")
+    job.add("update", "activations (policy + critic)", both * tokens * act_per_token(pol, dt, ckpt),
+            f"(1 + {k}/{pol.layers}) models x T_pack {tokens} x {'checkpointed ' if ckpt else ''}a({dt}) x L")
+    q, turns, backend = _plan(cfg)["prompt_tokens"], max_turns(cfg["agent"], t["benchmark"]), t["ppo"]["backend"]
+    own = call_input(cfg, ro["max_new_tokens"]) - q + ro["max_new_tokens"]
+    backend = resolve_backend(pol, backend, job.gpus > 0, ckpt, dt, q, turns, own)
+    scores = attention_scores(pol, backend, job.gpus > 0, 4, tokens, q, turns, own)
+    if scores:
+        job.add("update", "attention scores", both * (1 if ckpt else pol.layers) * scores,
+                f"(1 + {k}/{pol.layers}) models x {1 if ckpt else 'L'} x {backend} scores (heads x queries x keys x 4 B)")
+    if BYTES[dt] == 2 and s == 1:
+        job.add("update", "autocast casts", 2 * 2 * pol.layers * pol.layer_params, "2 models x 2 B x L x P_layer")
+    if s > 1:
+        _fsdp(job, "update", pol, dt, 2, "2 models x ")
+    c = t["ppo"]["chunk_size"]
+    job.add("update", "loss chunk", (2 if opd else 1) * c * pol.vocab * 16, f"{2 if opd else 1} x {c} x V x 16 B")
+    if job.gpus:  # a checkpoint: every rank gathers whole fp32 policy + critic on the CPU, rank 0 also AdamW's state
+        job.host["checkpoint gather"] = (w * (pol.params + pc) * 4 + (pol.params + pc) * 8,
+                                         f"{w} ranks x (P + P_critic) x 4 B + (P + P_critic) x 8 B")
+    if sleeping:
+        job.host["vLLM sleep offload"] = (w * pol.weights("bfloat16"), f"{w} x P x 2 B (sleep level 1)")
+    _retriever(job, cfg, copies=w)
+    runs = len(t["methods"]) * len(t["seeds"])
+    job.disk["exports"] = (runs * pol.params * BYTES[dt], f"{runs} runs x P x {BYTES[dt]} B")
+    if not t.get("keep_checkpoint", False):
+        job.disk["checkpoints (transient)"] = (runs * (pol.params + pc) * 12, f"{runs} runs at once x 12 B x (P + P_critic)")
+    else:
+        job.disk["checkpoints"] = (runs * (pol.params + pc) * 12, f"{runs} runs x 12 B x (P + P_critic)")
+    return [job]
+
+
+def _sft_job(cfg: dict, rule: str, role: str, seq_len: int) -> Job:
+    sft = cfg["sft"]
+    job = _job(cfg, rule, role)
+    m, w = role_spec(cfg, role), max(job.gpus, 1)
+    s = w if sft.get("shard", "none") == "fsdp" and w > 1 else 1
+    dt = "bfloat16" if sft.get("precision") == "bf16" else "float32"
+    ckpt = bool(sft.get("activation_checkpointing", False))
+    _common(job, cfg, "step")
+    job.add("step", "model (AdamW)", m.params * 16 / s, f"P {m.params:,} x 16 B / {s}")
+    if w > 1 and s == 1:
+        job.add("step", "DDP buckets", m.params * 4, "P x 4 B")
+    if BYTES[dt] == 2 and s == 1:
+        job.add("step", "autocast casts", 2 * m.layers * m.layer_params, "2 B x L x P_layer")
+    if s > 1:
+        _fsdp(job, "step", m, dt)
+    job.add("step", "activations", seq_len * act_per_token(m, dt, ckpt),
+            f"seq_len {seq_len} x {'checkpointed ' if ckpt else ''}a({dt}) x L")
+    if sft.get("backend") != "segmented":  # segmented: sdpa per example with is_causal, no mask, no scores kept
+        scores = attention_scores(m, sft.get("backend", "sdpa"), job.gpus > 0, 4, seq_len, 0, 1, seq_len)
+        if scores:
+            job.add("step", "attention scores", (1 if ckpt else m.layers) * scores, "L x heads x seq_len^2 x 4 B")
+    job.add("step", "loss chunk", 2048 * m.vocab * 16, "2048 x V x 16 B (sft/loss.py _CHUNK)")
+    if job.gpus:  # copied off the GPU to be written
+        job.host["checkpoint"] = (m.params * 12, "P x (4 + 8) B: model + AdamW state serialised by rank 0")
+    job.disk[f"{role} model"] = (m.params * 4, "P x 4 B (fp32 export) + transient checkpoint P x 12 B")
+    return job
+
+
+def plan_sft(cfg: dict) -> list[Job]:
+    sft, jobs = cfg["sft"], []
+    for role in ("student", "teacher"):
+        jobs.append(_sft_job(cfg, "sft_train", role, sft["seq_len"]))
+        if ((sft.get("pretrain") or {}).get(role) or {}).get("steps"):  # as sft.trainer.pretrain_steps
+            jobs.append(_sft_job(cfg, "sft_pretrain", role, sft["seq_len"]))
+    m = role_spec(cfg, "teacher")  # sft_eval: fp32 forward of the largest model, no grad
+    job = _job(cfg, "sft_eval", "teacher_sft")
+    jobs.append(job)
+    _common(job, cfg, "forward")
+    job.add("forward", "weights", m.weights("float32"), "P x 4 B")
+    job.add("forward", "forward (no grad)", sft["seq_len"] * act_per_token(m, "float32") / m.layers,
+            f"seq_len {sft['seq_len']} x one layer's activations")
+    job.add("forward", "loss chunk", 2048 * m.vocab * 16, "2048 x V x 16 B")
+    m = role_spec(cfg, "student")  # bench_sft: a fp32 AdamW copy per path (sft/bench.py PATHS) of student_init
+    job = _job(cfg, "bench_sft")
+    _common(job, cfg, "step")
+    job.add("step", "model + 3 path copies (AdamW)", m.params * 4 + 3 * m.params * 16, "P x 4 B + 3 x P x 16 B")
+    job.add("step", "activations", sft["seq_len"] * act_per_token(m, "float32"), f"seq_len {sft['seq_len']} x a(fp32) x L")
+    job.add("step", "loss chunk", 2048 * m.vocab * 16, "2048 x V x 16 B")
+    return jobs + [job]
+
+
+def plan_scoring(cfg: dict) -> list[Job]:
+    """RCE smoke, RCE of rollouts and the alignment audits (no grad, full-vocabulary comparisons)."""
+    jobs, ro = [], cfg["rollout"]
+    rc = cfg["rce"]
+    st = role_spec(cfg, "student")
+    b = BYTES[rc["dtype"]]
+    calls, resp = rc["calls"], max(rc["response_tokens"])
+    tokens = rc["prefix_tokens"] + calls * (max(rc["observation_tokens"]) + 2 * resp)  # a retained copy per call
+    job = _job(cfg, "rce_smoke")
+    _scoring(job, cfg, st, rc["dtype"], tokens, _rce_terms(st, b, rc["episodes"] * calls * resp, calls * resp,
+                                                           f"{rc['episodes']} episodes x {calls} calls x {resp}"))
+    jobs.append(job)
+    rr = cfg["rce_rollouts"]  # rollouts (the engine stays up), then RCE of each rule's episodes at once
+    audit = cfg["audit"]
+    am = role_spec(cfg, model_role(audit["model"]))
+    max_new = new_tokens(rr.get("max_new_tokens"), rr["benchmark"], ro["max_new_tokens"])
+    tokens, actions = max(episode_tokens(cfg, rr["benchmark"], max_new, r) for r in rr.get("rules") or RULES)
+    job = _job(cfg, "rce_rollouts")
+    _rollouts(job, cfg, "scoring", am, rr["benchmark"], max_new, rr["tasks"], util=rr.get("gpu_memory_utilization"))
+    b, n = BYTES[rr["dtype"]], rr["tasks"] * actions
+    terms = _rce_terms(am, b, n, actions, f"{rr['tasks']} tasks x {actions} action tokens")
+    # agent.evaluate.behaviour_mismatch: rce.independent_token_logprobs, the LM head COMPARE_CHUNK tokens at a time
+    c = min(COMPARE_CHUNK, n)
+    terms.append(("behaviour chunk", c * am.vocab * (b + 8), f"evaluate.behaviour_mismatch: C {c} x V x ({b} + 4 + 4) B"))
+    _scoring(job, cfg, am, rr["dtype"], tokens, terms)
+    _retriever(job, cfg)
+    jobs.append(job)
+    dt, bench = audit["dtype"], audit["benchmark"]
+    b = BYTES[dt]
+    max_new = new_tokens(audit.get("max_new_tokens"), bench, ro["max_new_tokens"])
+    tokens, actions = episode_tokens(cfg, bench, max_new, audit.get("rule"))
+    for rule, n in (("audit_episodes", audit["episodes"]), ("audit_rule_episodes", audit["rule_episodes"])):
+        job = _job(cfg, rule, resources_of="audit_episodes")  # `use rule audit_episodes as audit_rule_episodes`
+        _common(job, cfg, "rollout")
+        _rollouts(job, cfg, "rollout", am, bench, max_new, n)
+        _retriever(job, cfg)
+        jobs.append(job)
+    n = min(8, audit["episodes"]) * actions  # audit.alignment.state_rows: 8 episodes at a time
+    c = min(COMPARE_CHUNK, n)
+    for rule in ("audit_alignment", "audit_state_corruption"):
+        job = _job(cfg, rule)
+        _scoring(job, cfg, am, dt, tokens, [
+            ("state chunk", c * am.vocab * (b + STATE_BYTES), f"C {c} x V x ({b} + {STATE_BYTES}) B"),
+            ("compared hidden", 2 * n * am.hidden * b,
+             f"reference + state: 2 x {min(8, audit['episodes'])} episodes x {actions} action tokens x h x {b} B"),
+            ("per-token values", n * TOKEN_BYTES, f"N {n:,} x {TOKEN_BYTES} B")])
+        jobs.append(job)
+    job = _job(cfg, "audit_teacher_divergence")  # one episode at a time, exact and flattened teacher logits
+    te, c = role_spec(cfg, model_role(audit["teacher"])), min(COMPARE_CHUNK, actions)
+    _scoring(job, cfg, te, dt, tokens, [
+        ("teacher chunk", c * te.vocab * (b + DIVERGENCE_BYTES), f"C {c} x V x ({b} + {DIVERGENCE_BYTES}) B"),
+        ("compared hidden", 2 * actions * te.hidden * b, f"exact + flattened: 2 x {actions} action tokens x h_T x {b} B"),
+        ("per-token values", actions * TOKEN_BYTES, f"N {actions:,} x {TOKEN_BYTES} B")])
+    jobs.append(job)
+    tokens, actions = max(episode_tokens(cfg, bench, max_new, r) for r in RULES)
+    job = _job(cfg, "audit_context_updates")
+    _scoring(job, cfg, am, dt, tokens, _rce_terms(am, b, audit["rule_episodes"] * actions, actions,
+                                                  f"{audit['rule_episodes']} episodes x {actions} action tokens"))
+    jobs.append(job)
+    jobs.append(_packing_job(cfg, am))
+    return jobs
+
+
+def _packing_job(cfg: dict, am: Spec) -> Job:
+    """audit_packing_efficiency on the real audit episodes (audit.packing.real: `episodes` episodes cut to T calls,
+    T up to the largest of `calls`, null = agent turns), the audit model in fp32; the synthetic sweep's tiny model
+    is negligible. Scoring (no grad, all episodes at once): every path's hidden states at the sampled tokens, log-probs
+    and RCE error `COMPARE_CHUNK` positions at a time. Timed forward+backward (packing_bench.measure, one episode at a
+    time): weights, gradients, and the largest timed path's activations and attention scores over one episode, the
+    longest the limits allow (q + T calls of input + response): independent_batched pads T calls of L tokens,
+    `calls` runs each call over q + its own tokens, the other packed paths hold T_pack tokens. With
+    audit.packing.activation_checkpointing each layer keeps its input and one layer's activations and scores exist
+    at a time; prefix_shared then runs forward only."""
+    audit, ro, pk = cfg["audit"], cfg["rollout"], cfg["audit"]["packing"]
+    bench, rule, gpu = audit["benchmark"], audit.get("rule"), _resources(cfg, "audit_packing_efficiency").get("gpu", 0) > 0
+    max_new = new_tokens(audit.get("max_new_tokens"), bench, ro["max_new_tokens"])
+    turns, q = max_turns(cfg["agent"], bench), _plan(cfg)["prompt_tokens"]
+    T = min(turns, max(c or turns for c in pk["real"]["calls"]))
+    L = call_input(cfg, max_new, rule) + max_new  # one call: its input and response
+    own, dt = L - q, "float32"
+    tokens, actions = q + T * own, T * max_new
+    real, b = pk["real"]["episodes"], BYTES[dt]
+    n, c = real * actions, min(COMPARE_CHUNK, real * actions)
+    job = _job(cfg, "audit_packing_efficiency")
+    _scoring(job, cfg, am, dt, tokens, [
+        ("logits chunk", c * am.vocab * (4 * b + 8),
+         f"RCE error: C {c} x V x (2 x {b} logits + 2 x 4 log-softmax + 2 x {b} difference) B"),
+        ("compared hidden", 2 * n * am.hidden * b, f"reference + path: 2 x {real} episodes x {actions} x h x {b} B")])
+    ph = "timed forward+backward"
+    _common(job, cfg, ph)
+    job.add(ph, "weights + gradients", 2 * am.weights(dt), f"2 x P {am.params:,} x {b} B")
+    ckpt = bool(pk.get("activation_checkpointing", False))
+    untimed = {"eager", "flex"} | ({"prefix_shared"} if ckpt else set())  # packing_bench.measure: RCE or forward only
+    paths = [("independent_batched", T * L, attention_scores(am, "calls", gpu, 4, T * L, 0, T, L),
+              f"{T} calls x L {L} (padded)")]
+    for name in dict.fromkeys(resolve_backend(am, x, gpu, ckpt, dt, q, T, own)
+                              for x in (pk.get("backends") or audit["backends"])):
+        if name not in untimed:
+            paths.append((f"packed_{name}", T * L if name == "calls" else tokens,
+                          attention_scores(am, name, gpu, 4, tokens, q, T, own),
+                          f"{T} calls x (q {q} + {own})" if name == "calls" else f"T_pack {tokens}"))
+    a, layers = act_per_token(am, dt, ckpt), 1 if ckpt else am.layers
+    name, toks, scores, what = max(paths, key=lambda x: x[1] * a + layers * x[2])
+    job.add(ph, "activations", toks * a, f"{name}: {what} tokens x {'checkpointed ' if ckpt else ''}a(fp32) x L")
+    if scores:
+        job.add(ph, "attention scores", layers * scores,
+                f"{name}: {1 if ckpt else 'L'} x heads x queries x keys x 4 B")
+    c = min(COMPARE_CHUNK, actions)
+    job.add(ph, "log-prob chunk", c * am.vocab * 16, f"rce.chunked_token_logprobs: C {c} x V x 16 B")
+    return job
+
+
+def plan_rollouts(cfg: dict) -> list[Job]:
+    """Evaluation of the largest evaluated model, and the LLM teacher's trajectories."""
+    ev, t, ro = cfg["eval"], cfg["train"], cfg["rollout"]
+    names = list(ev["models"]) + [f"{m}_seed{s}" for m in t["methods"] for s in t["seeds"]]
+    role = max(sorted({model_role(n) for n in names}), key=lambda r: role_spec(cfg, r).params)
+    m = role_spec(cfg, role)
+    job = _job(cfg, "eval", role)
+    _common(job, cfg, "rollout")
+    bench = max(ev["benchmarks"], key=lambda b: new_tokens(ev.get("max_new_tokens"), b, ro["max_new_tokens"]))
+    _rollouts(job, cfg, "rollout", m, bench, new_tokens(ev.get("max_new_tokens"), bench, ro["max_new_tokens"]),
+              ro["batch_size"])
+    _retriever(job, cfg)
+    jobs = [job]
+    te = cfg["teacher"]
+    job = _job(cfg, "sft_trajectories")
+    if te["kind"] == "llm" and te["llm"].get("engine") == "server" and not te["llm"].get("url"):
+        sv = te["llm"]["server"]
+        _common(job, cfg, "serving")
+        _vllm(job, cfg, "serving", resolve(te["llm"]["model"], cfg), sv["gpu_memory_utilization"], sv["max_model_len"],
+              sv.get("tensor_parallel_size", 1))
+        job.host["vLLM server process"] = (_plan(cfg)["process_gb"] * GB, "plan.process_gb")
+    _retriever(job, cfg)
+    return jobs + [job]
+
+
+def plan_data(cfg: dict) -> list[Job]:
+    """Model downloads and the dense index (host memory and disk)."""
+    jobs = []
+    for role in ("student", "teacher"):
+        spec = cfg["models"][role]
+        if "pretrained" in spec and not spec["pretrained"].startswith("results/"):
+            m, b = role_spec(cfg, role), BYTES[spec.get("dtype", "bfloat16")]
+            job = _job(cfg, "model_init", role)  # the loaded model + safetensors' serialisation buffer
+            job.host["model"] = (2 * m.params * b, f"2 x P x {b} B")
+            job.disk[f"{role}_init"] = (m.params * b, f"P x {b} B")
+            jobs.append(job)
+    r, corpus = cfg["retrieval"], _plan(cfg)["corpus"]
+    if r["backend"] == "e5" and corpus:
+        e5, d = resolve(r["dense"]["model"], cfg), r["dense"]
+        job = _job(cfg, "retrieval_index")
+        _common(job, cfg, "encode")
+        job.add("encode", "weights", e5.weights("float16"), "P x 2 B")
+        bt, lt = d["batch_size"], d["max_length"]
+        job.add("encode", "batch", bt * lt * (4 * e5.hidden + 2 * (e5.intermediate + 4 * e5.hidden) + 2 * e5.heads * lt),
+                f"{bt} x {lt} tokens x (fp32 output 4h + one layer 2(i + 4h) + scores 2 heads x {lt}) B")
+        _retriever(job, cfg, building=True)
+        emb = corpus["passages"] * e5.hidden * 4
+        job.disk["index"] = (emb + corpus["text_gb"] * GB, f"{corpus['passages']:,} x {e5.hidden} x 4 B + passages")
+        job.disk["corpus (download + parquet)"] = (2 * corpus["text_gb"] * GB, "2 x text_gb")
+        jobs.append(job)
+        job = _job(cfg, "retrieval_recall")
+        _retriever(job, cfg)
+        jobs.append(job)
+    return jobs
+
+
+PLANNERS = (plan_data, plan_rollouts, plan_sft, plan_scoring, plan_train)
+
+
+def plan(cfg: dict, rules=None) -> list[Job]:
+    """Every modelled job of `cfg` (only those of `rules` when given)."""
+    jobs = [j for f in PLANNERS for j in f(cfg)]
+    return [j for j in jobs if rules is None or j.rule in rules]
