@@ -198,7 +198,7 @@ def test_packing_benchmark_recomputes_layers_under_checkpointing_without_prefix_
     import torch
 
     from memopd.audit.packing_bench import measure
-    from memopd.train.parallel import checkpoint_activations
+    from memopd.parallel import checkpoint_activations
 
     runs = {}
     for ckpt in (False, True):

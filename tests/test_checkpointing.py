@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_sft import CFG, examples, one_thread, tiny  # noqa: F401  (fixtures: the SFT tests' examples, one thread)
 from test_train import _episodes, _free_port, _setup
 
+from memopd import parallel
 from memopd.sft.loss import target_loss
 from memopd.sft.trainer import TrainConfig, train
-from memopd.train import parallel
 from memopd.train.ppo import PPOConfig, ppo_update
 
 
@@ -181,7 +181,7 @@ def test_fsdp_sft_checkpoint_resumes_to_the_same_weights(examples, tmp_path):
     """A sharded run (tied embeddings) killed after 4 steps resumes from its step-3 checkpoint to the weights
     of the uninterrupted run; the checkpoint holds whole tensors (the tied one once) that load into an
     unsharded model."""
-    from memopd.sft.checkpoint import load_tensors
+    from memopd.checkpoint import load_tensors
 
     cfg = replace(CFG, steps=6, eval_every=0, checkpoint_every=3, grad_accum=1, shard="fsdp")
     _spawn(examples, cfg, str(tmp_path), "resume")

@@ -11,10 +11,11 @@ import torch
 from memopd import cost
 from memopd.attention import (AUTO, candidates, choose_backend, dense_mask, independent_hidden,
                               model_dims, pack_shape, packed_hidden, segment_blocks)
-from memopd.audit.packing_bench import TARGETS, interleaved_times, ratio_interval, summarize
+from memopd.audit.packing_bench import TARGETS, interleaved_times, summarize
 from memopd.packing import flatten_persistent, pack
+from memopd.parallel import checkpoint_activations
+from memopd.stats import ratio_interval
 from memopd.synthetic import random_episode
-from memopd.train.parallel import checkpoint_activations
 
 
 def _episodes(seed=0, n=2, calls=4, prefix=(5, 30), rule="summary_replacement"):

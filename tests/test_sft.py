@@ -332,7 +332,8 @@ sys.path.insert(0, {str(Path(__file__).parent)!r})
 from dataclasses import replace
 from test_sft import tiny, CFG
 from memopd.records import load_episodes
-from memopd.sft.trainer import dist_info, setup_distributed, train
+from memopd.dist import dist_info, setup_distributed
+from memopd.sft.trainer import train
 dev = setup_distributed()
 model, logs = tiny().to(dev), []
 cfg = replace(CFG, steps=4, grad_accum=int(sys.argv[1]), eval_every=0, checkpoint_every=1000)

@@ -7,7 +7,7 @@ import torch
 
 from memopd.rce import RCEError
 from memopd.synthetic import random_episode
-from memopd.train import parallel
+from memopd import parallel
 from memopd.train.ppo import PPOConfig, ValueModel, ppo_update, score_batch
 from memopd.train.weight_sync import policy_weights
 
@@ -60,9 +60,9 @@ def test_the_matched_control_moves_only_the_teacher_state():
     flat = score_batch(eps, policy, ref, critic, teacher, PPOConfig(method="memopd_persistent"))
     head = teacher.get_output_embeddings()
     for a, b in zip(exact, flat):
-        assert torch.equal(a["old_logp"], b["old_logp"]) and torch.equal(a["values"], b["values"])
-        first = (a["packed"].call[a["packed"].action_index] == 0)[a["teach_rows"]]
-        diff = (head(a["teacher_hidden"]) - head(b["teacher_hidden"])).abs().amax(-1)
+        assert torch.equal(a.old_logp, b.old_logp) and torch.equal(a.values, b.values)
+        first = (a.packed.call[a.packed.action_index] == 0)[a.teach_rows]
+        diff = (head(a.teacher_hidden) - head(b.teacher_hidden)).abs().amax(-1)
         assert diff[first].max() <= 1e-5  # call 0 is the same state in both layouts
         assert diff[~first].max() > 1e-3  # later calls: the flattening is another state
 

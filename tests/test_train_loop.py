@@ -10,7 +10,8 @@ import yaml
 from safetensors.torch import load_file
 
 from agent_support import ROOT, nq_tasks, protocol_student, random_student, retriever, tokenizer
-from memopd.report.results import bootstrap_ci, table_rows
+from memopd.report.results import table_rows
+from memopd.stats import bootstrap_ci
 from memopd.train.loop import task_order, train_run
 
 
@@ -215,7 +216,7 @@ def test_two_ranks_train_like_one(setup, tmp_path, shard):
     assert (tmp_path / "two/checkpoint/state.pt").exists()
 
 
-def test_cli_train_writes_metrics_and_exports_the_policy(setup, tmp_path):
+def test_cli_train_writes_metrics_and_exports_the_policy(setup, tmp_path, capsys):
     """`memopd train` (what the `train` rule runs, alone or under torchrun) without tracking."""
     from memopd.cli import main
 
@@ -225,10 +226,11 @@ def test_cli_train_writes_metrics_and_exports_the_policy(setup, tmp_path):
     main(["train", "--cfg", json.dumps(cfg), "--method", "ppo", "--seed", "1", "--student", str(d / "student"),
           "--tasks", str(d / "q2_train.parquet"), "--index", str(d / "index"),
           "--out-dir", str(tmp_path / "run"), "--export", str(tmp_path / "export")])
-    with pytest.raises(ValueError, match="needs a teacher"):
+    with pytest.raises(SystemExit) as e:
         main(["train", "--cfg", json.dumps(cfg), "--method", "memopd", "--seed", "1", "--student", str(d / "student"),
               "--tasks", str(d / "q2_train.parquet"), "--index", str(d / "index"),
               "--out-dir", str(tmp_path / "run2"), "--export", str(tmp_path / "export2")])
+    assert e.value.code == 2 and "needs --teacher" in capsys.readouterr().err and not (tmp_path / "run2").exists()
     lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 1 and lines[0]["world_size"] == 1 and lines[0]["method"] == "ppo"
     assert "time/sync_s" not in lines[0]  # no engine to sync with the hf backend
@@ -236,11 +238,37 @@ def test_cli_train_writes_metrics_and_exports_the_policy(setup, tmp_path):
 
 
 def test_the_rce_guard_tolerance_follows_the_training_dtype():
-    from memopd.train.loop import ppo_config
+    from memopd.train.config import RunConfig
 
     paper = yaml.safe_load((ROOT / "config/paper.yaml").read_text())["train"]
-    assert ppo_config(paper, "memopd", 0).dtype == "bfloat16" == paper["dtype"]
-    assert ppo_config({"ppo": {}}, "ppo", 0).dtype == "float32"
+    assert RunConfig.from_section(paper, "memopd", 0).ppo.dtype == "bfloat16" == paper["dtype"]
+    least = {"steps": 1, "batch_tasks": 1, "lr_actor": 1e-5, "lr_critic": 1e-4, "ppo": {}}
+    assert RunConfig.from_section(least, "ppo", 0).ppo.dtype == "float32"
+
+
+def test_the_train_section_is_typed_once_with_the_schemas_defaults():
+    """RunConfig holds every default of the train section; those the config schema states agree with it; a
+    misspelt key and prefix_shared with activation checkpointing are refused while parsing."""
+    from dataclasses import fields
+
+    from memopd.train.config import RunConfig
+    from memopd.train.ppo import PPOConfig
+
+    least = {"steps": 1, "batch_tasks": 1, "lr_actor": 1e-5, "lr_critic": 1e-4, "ppo": {}}
+    run = RunConfig.from_section(least, "memopd", 3)
+    assert (run.ppo.method, run.ppo.seed, run.dtype) == ("memopd", 3, "float32")
+    schema = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())["properties"]["train"]
+    stated = {k: v["default"] for k, v in schema["properties"].items() if "default" in v}
+    assert stated and all(getattr(run, k) == v for k, v in stated.items()), stated
+    ppo_schema = schema["properties"]["ppo"]["properties"]
+    assert all(getattr(run.ppo, k) == v["default"] for k, v in ppo_schema.items() if "default" in v)
+    assert set(ppo_schema) == {f.name for f in fields(PPOConfig)} - {"method", "seed", "dtype", "vocab"}
+    assert set(schema["properties"]) - {"ppo"} <= {f.name for f in fields(RunConfig)} | {"dtype"} | {
+        "student", "teacher", "methods", "seeds", "benchmark", "horizons", "matched_control"}
+    with pytest.raises(ValueError, match="critic_layer"):
+        RunConfig.from_section({**least, "critic_layer": 2}, "ppo", 0)
+    with pytest.raises(ValueError, match="prefix_shared"):
+        RunConfig.from_section({**least, "activation_checkpointing": True, "ppo": {"backend": "prefix_shared"}}, "ppo", 0)
 
 
 def test_tied_weights_checkpoint_and_export_round_trip(tmp_path):
@@ -388,7 +416,7 @@ def test_training_checkpoints_activations_when_configured(setup, tmp_path, monke
     numbers are the same: tests/test_checkpointing.py); refused with an explicit prefix_shared before the first rollout
     (auto, the default, skips it)."""
     import memopd.train.loop as loop
-    from memopd.train.parallel import is_checkpointed
+    from memopd.parallel import is_checkpointed
 
     seen = []
 

@@ -3,7 +3,7 @@
 Both generate from the same model and prompts (lengths spread like the agent's, left-padded into one batch),
 greedy, with stops off so that every row decodes `new_tokens` tokens; they run interleaved within every
 repeat (the order alternating), and the speedup is the median over repeats of (DynamicCache time / growing
-time) in the same repeat with a 95% bootstrap interval (packing_bench.ratio_interval). The prefill is timed
+time) in the same repeat with a 95% bootstrap interval (memopd.stats.ratio_interval). The prefill is timed
 apart (the same forward for both), so the figures are the whole call and its decode steps. The outputs must
 be the same tokens and log-probs, bit for bit: a row says so.
 """
@@ -15,6 +15,7 @@ import time
 import torch
 
 from memopd.agent.backends import HFBackend, Sampling, growing_cache, left_padded
+from memopd.stats import ratio_interval
 
 
 def _prompts(vocab: int, batch: int, tokens: int, seed: int) -> list[list[int]]:
@@ -28,8 +29,6 @@ def run(model, tokenizer, batch: int = 32, tokens: int = 450, new_tokens: int = 
         seed: int = 0, log=functools.partial(print, flush=True)) -> list[dict]:
     """One row: median seconds of a call with each cache and of the prefill, the speedups with their intervals."""
     from transformers import DynamicCache
-
-    from memopd.audit.packing_bench import ratio_interval
 
     be = HFBackend(model, tokenizer, Sampling(temperature=0.0, max_new_tokens=new_tokens), stop_strings=())
     be.eos, be.stop_ids = set(), set()  # every row decodes new_tokens tokens: the same work in every repeat

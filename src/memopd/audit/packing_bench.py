@@ -41,6 +41,7 @@ from memopd.attention import (
 from memopd.packing import pack
 from memopd.rce import CHUNK, chunked_token_logprobs, spans, tolerances
 from memopd.records import Episode
+from memopd.stats import ratio_interval
 from memopd.synthetic import random_episode
 
 # The nine-configuration sweep: T in {4, 8, 16} x prefix in {128, 256, 512}; context ~200 and
@@ -99,20 +100,6 @@ def interleaved_times(fns: dict, repeats: int, warmup: int = 1) -> dict[str, lis
             if r >= warmup:
                 times[n].append(time.perf_counter() - t0)
     return times
-
-
-def ratio_interval(base: list[float], path: list[float], level: float = 0.95, resamples: int = 2000,
-                   seed: int = 0) -> tuple[float, float, float]:
-    """(median, low, high) of the per-repeat speedups base[r] / path[r]: the median with a percentile bootstrap
-    interval at `level` (seeded, so a rerun on the same times gives the same interval)."""
-    import numpy as np
-
-    ratios = np.asarray(base) / np.asarray(path)
-    if len(ratios) < 2:
-        return float(ratios[0]), float("nan"), float("nan")
-    boot = np.median(np.random.default_rng(seed).choice(ratios, (resamples, len(ratios))), axis=1)
-    lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
-    return float(np.median(ratios)), float(lo), float(hi)
 
 
 def _paths(model, episodes, backends):

@@ -8,15 +8,16 @@ wide: a difference inside the seed spread is no difference, and the tables say s
 The matched control (`matched_control_table`) is its own experiment: `ppo`, `memopd_persistent` and
 `memopd` on the seeds of `train.matched_control` (runs `{method}_seed{seed}`), evaluated on one
 benchmark, with the paper's two increments (persistent teacher vs PPO; state alignment on top of it)
-and their paired bootstrap intervals over seeds.
+and their paired bootstrap intervals over seeds. The intervals are memopd.stats'.
 """
 from __future__ import annotations
 
 import json
 import math
-import random
 import statistics
 from pathlib import Path
+
+from memopd.stats import bootstrap_ci, paired_bootstrap, relative_change_pct
 
 METRICS = {
     "multiobjective": ["em", "f1", "peak_context_tokens", "inference_time_s"],
@@ -33,17 +34,6 @@ INCREMENTS = [
 MATCHED_DEFAULT_BENCHMARK = "q2_test"
 COLUMNS = ["method", "horizon", "metric", "mean", "std", "ci_low", "ci_high", "rel_to_ppo_pct", "seeds",
            "paired_diff_vs_ppo", "paired_ci_low", "paired_ci_high"]
-
-
-def bootstrap_ci(values: list[float], n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean."""
-    if len(values) < 2:
-        return (values[0], values[0]) if values else (float("nan"), float("nan"))
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(n_boot))
-    lo = means[int((1 - level) / 2 * n_boot)]
-    hi = means[min(n_boot - 1, int((1 + level) / 2 * n_boot))]
-    return lo, hi
 
 
 def load_scores(eval_dir: str | Path, methods: list[str], seeds: list[int], benchmarks: list[str]) -> dict:
@@ -92,7 +82,7 @@ def table_rows(scores: dict, methods: list[str], horizons: dict[str, str], metri
                 rows.append({
                     "method": m, "horizon": horizon, "metric": metric, "mean": mean,
                     "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "ci_low": lo, "ci_high": hi,
-                    "rel_to_ppo_pct": 100.0 * (mean - ppo_mean) / abs(ppo_mean) if ppo and ppo_mean else float("nan"),
+                    "rel_to_ppo_pct": relative_change_pct(ppo_mean, mean) if ppo else float("nan"),
                     "seeds": len(vals),
                     "paired_diff_vs_ppo": statistics.fmean(diffs) if diffs else float("nan"),
                     "paired_ci_low": dlo, "paired_ci_high": dhi,
@@ -124,43 +114,6 @@ def horizon_figure(rows: list[dict], path: str | Path, metric: str = "f1") -> No
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)
     plt.close(fig)
-
-
-def _rel_pct(base_mean: float, other_mean: float) -> float:
-    """Change of the mean relative to the baseline, in % (NaN when the baseline mean is 0)."""
-    return 100.0 * (other_mean - base_mean) / abs(base_mean) if base_mean else float("nan")
-
-
-def paired_bootstrap(base: list[float], other: list[float], n_boot: int = 2000, seed: int = 0,
-                     level: float = 0.95) -> dict:
-    """Paired comparison of `other` with `base` over seeds (base[i], other[i]: the same seed).
-
-    Returns the mean per-seed difference (other - base) and the relative change of the means in %,
-    each with a percentile bootstrap interval that resamples seeds (the pairs stay together). Both
-    intervals come from the same resamples, so one contains 0 exactly when the other does. Fewer than
-    2 seeds: no interval (NaN). The relative interval is NaN when a resample's baseline mean is 0."""
-    if len(base) != len(other) or not base:
-        raise ValueError(f"paired_bootstrap needs equally many values on both sides, got {len(base)} and {len(other)}")
-    n, nan = len(base), float("nan")
-    out = {"diff": statistics.fmean(o - b for b, o in zip(base, other)),
-           "rel_pct": _rel_pct(statistics.fmean(base), statistics.fmean(other)),
-           "diff_ci": (nan, nan), "rel_ci": (nan, nan)}
-    if n < 2:
-        return out
-    rng = random.Random(seed)
-    diffs, rels = [], []
-    for _ in range(n_boot):
-        idx = rng.choices(range(n), k=n)
-        b, o = statistics.fmean(base[i] for i in idx), statistics.fmean(other[i] for i in idx)
-        diffs.append(o - b)
-        rels.append(_rel_pct(b, o))
-    lo_i, hi_i = int((1 - level) / 2 * n_boot), min(n_boot - 1, int((1 + level) / 2 * n_boot))
-    diffs.sort()
-    out["diff_ci"] = (diffs[lo_i], diffs[hi_i])
-    if not any(math.isnan(r) for r in rels):
-        rels.sort()
-        out["rel_ci"] = (rels[lo_i], rels[hi_i])
-    return out
 
 
 def noise_label(lo: float, hi: float) -> str:

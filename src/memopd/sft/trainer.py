@@ -11,7 +11,7 @@ ends with the same weights as an uninterrupted run. AdamW (weight decay on matri
 norms/biases), linear warm-up then cosine decay to min_lr_ratio x lr, gradient clipping by global
 norm, fp32 or bf16 autocast (fp32 master weights). Several GPUs: launched by torchrun
 (WORLD_SIZE > 1); each rank takes every world-th bin of a step. `shard` says how the model lives on
-the ranks, as `train.shard` does for training (memopd.train.parallel):
+the ranks, as `train.shard` does for training (memopd.parallel):
   none  a replica per rank, DistributedDataParallel (fp32 weights + grads + AdamW + DDP's buckets:
         20 bytes per parameter on every GPU, ~152 GB for the 7B teacher)
   fsdp  FSDP2 (`parallel.shard`): fp32 master weights, gradients and AdamW state sharded over the ranks
@@ -19,7 +19,7 @@ the ranks, as `train.shard` does for training (memopd.train.parallel):
         (MixedPrecisionPolicy), gradients reduce-scattered in fp32 as a sum (the loss already carries
         1 / N_step). Every forward and backward is a collective: each rank runs grad_accum passes per
         step (every step is full, see StepPlan). Checkpoints hold whole tensors, gathered from the
-        shards by every rank and written by rank 0 (tied weights stored once, as sft.checkpoint's
+        shards by every rank and written by rank 0 (tied weights stored once, as memopd.checkpoint's
         save_tensors does), so they load whatever the sharding; the final model is gathered likewise
         (`full_state_dict`).
 `activation_checkpointing` recomputes every decoder layer in the backward (parallel.checkpoint_activations:
@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -41,9 +40,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from memopd.packing import PackingLimitError
-from memopd.records import Episode
-from memopd.sft.checkpoint import (
+from memopd import parallel
+from memopd.checkpoint import (
     load_checkpoint,
     load_tensors,
     read_meta,
@@ -53,9 +51,11 @@ from memopd.sft.checkpoint import (
     set_rng_state,
     write_checkpoint_dir,
 )
+from memopd.dist import dist_info
+from memopd.packing import PackingLimitError
+from memopd.records import Episode
 from memopd.sft.data import StepPlan, bin_pack, example_len, target_len
 from memopd.sft.loss import TargetLoss, target_loss
-from memopd.train import parallel
 
 ROLES = ("student", "teacher")
 NOT_TRAINER_KEYS = ("min_reward", "pretrain")  # keys of the `sft` config section used by other steps
@@ -129,24 +129,6 @@ class TrainConfig:
         if cfg.shard not in parallel.SHARDING:
             raise ValueError(f"sft.shard {cfg.shard!r}: choose from {parallel.SHARDING}")
         return cfg
-
-
-def dist_info() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from torchrun's environment (1 process without it)."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-
-
-def setup_distributed() -> torch.device:
-    """Initialise the process group under torchrun and return this rank's device."""
-    rank, world, local = dist_info()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return device
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -227,7 +209,7 @@ def whole_tensors(model, keep: bool = True) -> dict[str, torch.Tensor]:
 
 
 def save_sharded_checkpoint(path: str | Path, model, opt, sched, meta: dict, write: bool) -> None:
-    """A checkpoint of a sharded model in the layout of sft.checkpoint (collective: every rank calls it;
+    """A checkpoint of a sharded model in the layout of memopd.checkpoint (collective: every rank calls it;
     `write` on rank 0): whole weights (save_tensors: tied ones once), the whole AdamW state keyed by
     parameter name (parallel.optimizer_state), scheduler and RNG; written to `<dir>.tmp`, then swapped in."""
     tensors = whole_tensors(model, keep=write)

@@ -12,7 +12,7 @@ out and scores its share of each batch (positions rank, rank + W, ...; sampling 
 position, so the episodes are those of a single process) and the gradients are summed over ranks
 (`ppo_update`); rank 0 writes the metrics, checkpoints and the final model.
 
-Precision and memory (`memopd.train.parallel`): policy, critic and reference are fp32 whatever
+Precision and memory (`memopd.parallel`): policy, critic and reference are fp32 whatever
 `train.dtype` (bf16 autocast when it is bfloat16; the teacher is loaded in `train.dtype`, inference
 only). `train.shard: fsdp` shards the three with FSDP2 over the ranks (paper scale: fp32 AdamW of a 3B
 policy + 3B critic is ~96 GB); checkpoints then hold whole tensors, gathered by every rank and written
@@ -40,14 +40,16 @@ import random
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import fields
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from memopd.sft.checkpoint import load_tensors, save_tensors
-from memopd.train import parallel
-from memopd.train.ppo import PPOConfig, ValueModel, gather, ppo_update
+from memopd import parallel
+from memopd.checkpoint import load_tensors, save_tensors
+from memopd.dist import dist_info, gather, setup_distributed
+from memopd.train.config import RunConfig
+from memopd.train.ppo import ValueModel, ppo_update
 from memopd.vocab import check_model_dirs
 
 # Config keys that do not change what a step computes, so not part of a run's identity: the data order of
@@ -84,8 +86,6 @@ def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt
     (tmp / "meta.json").write_text(json.dumps({"step": step, "identity": identity}, indent=1, sort_keys=True) + "\n")
     (tmp / "metrics.jsonl").write_text("".join(line + "\n" for line in metrics))
     if path.exists():
-        import shutil
-
         shutil.rmtree(path)
     tmp.replace(path)
 
@@ -153,7 +153,7 @@ def resume_point(path: Path, identity: dict) -> dict | None:
     return {"step": meta["step"], "metrics": lines[: meta["step"]]}
 
 
-def preflight(cfg: dict, method: str, seed: int, student_dir, teacher_dir, tasks_path, index_dir,
+def preflight(cfg: dict, run: RunConfig, method: str, seed: int, student_dir, teacher_dir, tasks_path, index_dir,
               ckpt: Path) -> tuple[dict, dict | None]:
     """The refusals of a run, before any model loads (minutes at paper scale): the OPD methods need a
     teacher with the student's tokenizer (OPD compares the two id by id), and a checkpoint is resumed only
@@ -165,18 +165,11 @@ def preflight(cfg: dict, method: str, seed: int, student_dir, teacher_dir, tasks
     identity = run_identity(cfg, method, seed, student=student_dir, teacher=None if method == "ppo" else teacher_dir,
                             tasks=tasks_path, index=index_dir)
     resume = resume_point(ckpt, identity)
-    steps = cfg["train"]["steps"]
+    steps = run.steps
     if resume is not None and resume["step"] > steps:  # train.steps is not part of the identity
         raise ResumeMismatch(f"{ckpt} is at step {resume['step']}, past train.steps {steps}: its model is not "
                              f"this run's; delete {ckpt} to train {steps} steps from scratch")
     return identity, resume
-
-
-def ppo_config(cfg: dict, method: str, seed: int) -> PPOConfig:
-    """The `train.ppo` section; the RCE guard's tolerance follows the training dtype (`train.dtype`)."""
-    known = {f.name for f in fields(PPOConfig)}
-    return PPOConfig(**{k: v for k, v in cfg.get("ppo", {}).items() if k in known}, method=method, seed=seed,
-                     dtype=cfg.get("dtype", "float32"))
 
 
 def task_order(n_tasks: int, steps: int, batch: int, seed: int) -> list[list[int]]:
@@ -210,52 +203,44 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     from memopd.agent.evaluate import load_retriever, load_tasks, make_sampling
     from memopd.agent.rollout import AgentConfig, rollout
     from memopd.models import DTYPES, load_model, load_tokenizer
-    from memopd.sft.trainer import dist_info, setup_distributed
 
-    tcfg, rcfg = cfg["train"], cfg["rollout"]
+    run = RunConfig.from_section(cfg["train"], method, seed)  # refuses a bad section before anything runs
+    rcfg = cfg["rollout"]
     out = Path(out_dir)
     ckpt, metrics_path = out / "checkpoint", out / "metrics.jsonl"
-    identity, resume = preflight(cfg, method, seed, student_dir, teacher_dir, tasks_path, index_dir, ckpt)
+    identity, resume = preflight(cfg, run, method, seed, student_dir, teacher_dir, tasks_path, index_dir, ckpt)
     device = setup_distributed()
     rank, world, _ = dist_info()
-    if tcfg["batch_tasks"] < world:
-        raise ValueError(f"train.batch_tasks {tcfg['batch_tasks']} < {world} ranks: some rank would get no episode")
+    if run.batch_tasks < world:
+        raise ValueError(f"train.batch_tasks {run.batch_tasks} < {world} ranks: some rank would get no episode")
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
-    dtype = tcfg.get("dtype", "float32")
     tok = load_tokenizer(student_dir)
     sampling = make_sampling(rcfg)
     sync = None
     if rcfg.get("backend", "hf") == "vllm":  # the engine first: it sizes its memory from what is free
-        from memopd.train.weight_sync import WeightSync, colocated_llm
+        from memopd.train.weight_sync import WeightSync, colocated_llm, sleep_mode
 
-        vcfg = tcfg.get("vllm", {})
-        llm = colocated_llm(student_dir, rcfg, vcfg, seed, world)
-        sync = WeightSync(llm, sleep=bool(vcfg.get("sleep", False)))
+        llm = colocated_llm(student_dir, rcfg, run.vllm, seed, world)
+        sync = WeightSync(llm, sleep=sleep_mode(run.vllm))
         backend = VLLMBackend(student_dir, tok, sampling, llm=llm)
     # fp32 master weights whatever train.dtype (bf16 autocast computes; pure bf16 parameters would round
     # lr 1e-6 steps away); the reference is the policy's frozen copy, so it is scored exactly like pi_old
     policy = load_model(student_dir, dtype="float32", device=str(device))
     ref = copy.deepcopy(policy).requires_grad_(False)  # frozen at the SFT initialisation
-    critic = ValueModel(copy.deepcopy(policy), layers=tcfg.get("critic_layers"))  # the policy's first layers
+    critic = ValueModel(copy.deepcopy(policy), layers=run.critic_layers)  # the policy's first layers
     # the frozen teacher stays in train.dtype: inference only (a target distribution, never in a ratio);
     # `ppo` never scores it, so it needs none (its jobs can start before the teacher's SFT ends)
-    teacher = (load_model(teacher_dir, dtype=dtype, device=str(device)).requires_grad_(False)
+    teacher = (load_model(teacher_dir, dtype=run.dtype, device=str(device)).requires_grad_(False)
                if method != "ppo" else None)
-    if tcfg.get("activation_checkpointing"):  # recompute each decoder layer in the backward (before sharding)
-        if tcfg.get("ppo", {}).get("backend") == "prefix_shared":  # its calls read a prefix KV cache the layers drop
-            raise ValueError("train.activation_checkpointing needs train.ppo.backend auto, flex, calls or sdpa, "
-                             "not prefix_shared")
+    if run.activation_checkpointing:  # recompute each decoder layer in the backward (before sharding)
         policy, critic = parallel.checkpoint_activations(policy), parallel.checkpoint_activations(critic)
-    shard = tcfg.get("shard", "none")
-    if shard not in parallel.SHARDING:
-        raise ValueError(f"train.shard {shard!r}: choose from {parallel.SHARDING}")
-    if shard == "fsdp" and world > 1:  # one rank: a shard is the whole model, the replica path is the same
-        policy, ref, critic = (parallel.shard(m, dtype) for m in (policy, ref, critic))
-    actor_opt = torch.optim.AdamW(policy.parameters(), lr=tcfg["lr_actor"], weight_decay=0.0)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=tcfg["lr_critic"], weight_decay=0.0)
-    pcfg = ppo_config(tcfg, method, seed)
-    pcfg.vocab = len(tok)  # the OPD KL runs over the tokenizer's real ids (heads may be padded beyond them)
+    if run.shard == "fsdp" and world > 1:  # one rank: a shard is the whole model, the replica path is the same
+        policy, ref, critic = (parallel.shard(m, run.dtype) for m in (policy, ref, critic))
+    actor_opt = torch.optim.AdamW(policy.parameters(), lr=run.lr_actor, weight_decay=0.0)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=run.lr_critic, weight_decay=0.0)
+    # the OPD KL runs over the tokenizer's real ids (heads may be padded beyond them)
+    ppo_cfg = replace(run.ppo, vocab=len(tok))
     if sync is None:
         backend = HFBackend(parallel.unwrap(policy), tok, sampling)  # generates inside parallel.gathered
 
@@ -269,27 +254,27 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     tasks = load_tasks(tasks_path)
     retriever = load_retriever(index_dir)
     agent = AgentConfig.from_dict(cfg["agent"], batch_size=rcfg["batch_size"])
-    schedule = task_order(len(tasks), tcfg["steps"], tcfg["batch_tasks"], seed)  # the same on every rank
+    schedule = task_order(len(tasks), run.steps, run.batch_tasks, seed)  # the same on every rank
     history = []
     from tqdm.auto import tqdm
 
-    for step in tqdm(range(start, tcfg["steps"]), desc=f"{method} seed {seed}", initial=start, total=tcfg["steps"],
+    for step in tqdm(range(start, run.steps), desc=f"{method} seed {seed}", initial=start, total=run.steps,
                      disable=rank != 0):
         t0 = time.perf_counter()
-        mine = list(range(rank, tcfg["batch_tasks"], world))  # this rank's positions in the batch
+        mine = list(range(rank, run.batch_tasks, world))  # this rank's positions in the batch
         t_sync = sync.sync(policy) if sync is not None else None
         t1 = time.perf_counter()
         stats: dict = {}
         # hf rollouts: the policy itself samples, whole (gathered if sharded) and in the update's precision
         with (parallel.gathered(policy) if sync is None else nullcontext()), \
-                (parallel.autocast(device, dtype) if sync is None else nullcontext()):
+                (parallel.autocast(device, run.dtype) if sync is None else nullcontext()):
             episodes = rollout([tasks[schedule[step][i]] for i in mine], backend, tok, retriever, agent,
                                seed=seed * 1_000_003 + step, progress=False, stats=stats, indices=mine)
         if sync is not None:
             sync.release()
         t2 = time.perf_counter()
-        pcfg.seed = seed * 1_000_003 + step
-        m = ppo_update(episodes, policy, ref, critic, teacher, actor_opt, critic_opt, pcfg, ids=mine)
+        step_cfg = replace(ppo_cfg, seed=seed * 1_000_003 + step)
+        m = ppo_update(episodes, policy, ref, critic, teacher, actor_opt, critic_opt, step_cfg, ids=mine)
         t3 = time.perf_counter()
         m.update(rollout_metrics(episodes))
         m.update({"step": step, "method": method, "seed": seed, "world_size": world, "time/rollout_s": t2 - t1,
@@ -305,7 +290,7 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
                 f.write(lines[-1] + "\n")
             if tracker is not None:
                 tracker(m, step)
-        if done % tcfg.get("checkpoint_every", 1) == 0 or done == tcfg["steps"]:  # collective when sharded
+        if done % run.checkpoint_every == 0 or done == run.steps:  # collective when sharded
             save_checkpoint(ckpt, done, policy, critic, actor_opt, critic_opt, write=rank == 0, identity=identity,
                             metrics=lines)
         if world > 1:
@@ -313,10 +298,10 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
         if stop_after is not None and done - start >= stop_after:
             return history
     # exported in train.dtype (what evaluation and vLLM load); the checkpoint keeps the fp32 master weights
-    state = {k: v.to(DTYPES[dtype]) for k, v in parallel.full_state_dict(policy).items()}  # collective if sharded
+    state = {k: v.to(DTYPES[run.dtype]) for k, v in parallel.full_state_dict(policy).items()}  # collective if sharded
     if rank == 0:
         parallel.unwrap(policy).save_pretrained(out / "model", state_dict=state, safe_serialization=True)
         tok.save_pretrained(out / "model")
-        if not tcfg.get("keep_checkpoint", False):  # resume needs it no more; at paper scale it is ~74 GB
+        if not run.keep_checkpoint:  # resume needs it no more; at paper scale it is ~74 GB
             shutil.rmtree(ckpt, ignore_errors=True)
     return history

@@ -8,8 +8,8 @@ way the engine's model is a module of this process, so a sync hands it the polic
 directly (`load_weights` maps the Hugging Face names, fusing q/k/v and gate/up itself): no file, no copy
 through another process.
 
-    llm = colocated_llm(student_dir, cfg["rollout"], cfg["train"].get("vllm", {}), seed, world)
-    sync = WeightSync(llm, sleep=...)
+    llm = colocated_llm(student_dir, cfg["rollout"], run.vllm, seed, world)   # run: train.config.RunConfig
+    sync = WeightSync(llm, sleep=sleep_mode(run.vllm))
     sync.sync(policy)      # before every rollout: the engine samples with the current policy
     ... VLLMBackend(..., llm=llm) rollouts ...
     sync.release()         # optional: free the engine's GPU memory during the update (sleep mode)
@@ -41,7 +41,12 @@ def colocated_llm(model_dir, rollout_cfg: dict, engine_cfg: dict, seed: int, wor
     return LLM(model=str(model_dir), dtype=rollout_cfg.get("dtype", "bfloat16"), seed=seed,
                gpu_memory_utilization=engine_cfg.get("gpu_memory_utilization", 0.3),
                max_model_len=rollout_cfg.get("vllm", {}).get("max_model_len"), enable_prefix_caching=True,
-               enable_sleep_mode=bool(engine_cfg.get("sleep", False)), **kw)
+               enable_sleep_mode=sleep_mode(engine_cfg), **kw)
+
+
+def sleep_mode(engine_cfg: dict) -> bool:
+    """Whether the engine sleeps between rollouts (`train.vllm.sleep`, default off)."""
+    return bool(engine_cfg.get("sleep", False))
 
 
 def engine_model(llm) -> torch.nn.Module:
@@ -65,7 +70,7 @@ def policy_weights(policy) -> Iterator[tuple[str, torch.Tensor]]:
     FSDP shards are gathered one tensor at a time (`full_tensor`, a collective: every rank syncs its
     engine at the same step, in the same order), so at most one whole tensor is alive beyond the engine's;
     replicas are yielded without copies."""
-    from memopd.train.parallel import full_tensor
+    from memopd.parallel import full_tensor
 
     module = getattr(policy, "module", policy)
     for name, t in module.state_dict().items():

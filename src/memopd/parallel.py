@@ -1,4 +1,4 @@
-"""Precision and sharding of the trained models (policy, critic, and the reference copy of the policy).
+"""Precision and sharding of trained models (SFT's model; PPO's policy, critic and the policy's reference copy).
 
 Precision: the trained parameters and their AdamW state are always fp32 ("master weights"); with
 `train.dtype: bfloat16` the forward (and so the backward) runs under `torch.autocast(bf16)`. Pure bf16
@@ -6,7 +6,7 @@ parameters would lose the update: at lr 1e-6 an Adam step (~lr per element) is f
 ulp of a weight of size ~1e-2 (~6e-5), so it rounds away (tests/test_train.py shows both).
 
 Sharding (`train.shard`):
-  none  every rank holds a replica; gradients are summed by `ppo.allreduce_grads`.
+  none  every rank holds a replica; gradients are summed by `memopd.dist.allreduce_grads` (SFT: DDP).
   fsdp  FSDP2 (`fully_shard`): each decoder layer and the rest of the model are sharded units over all
         ranks, parameters and AdamW state stay fp32 shards; with bf16 the layers compute in bf16
         (MixedPrecisionPolicy param_dtype=bf16, gradients reduced in fp32). FSDP's reduce-scatter sums
@@ -26,7 +26,7 @@ and recomputes its forward there (transformers' per-layer checkpointing, non-ree
 torch.utils.checkpoint). It checkpoints the layer's `forward`, not `__call__`, so FSDP2's hooks stay
 outside the recomputation: apply it before `shard`. It works under every packed backend that runs a
 layer once per forward (sdpa, eager, flex, segmented); prefix_shared cannot be checkpointed (its calls
-read the prefix's KV cache, which checkpointed layers drop), so `ppo_update` refuses that combination.
+read the prefix's KV cache, which checkpointed layers drop): `check_backend` refuses that combination.
 Numerically a recomputed layer gives the same loss and gradients (tests/test_checkpointing.py).
 """
 from __future__ import annotations
@@ -123,6 +123,14 @@ def _recompute_attention_as_forward(config):
 def is_checkpointed(model) -> bool:
     """Whether some layer of `model` (replica, DDP or FSDP root) recomputes its activations in the backward."""
     return recomputes_activations(unwrap(model))
+
+
+def check_backend(backend: str, checkpointed: bool) -> None:
+    """Refuse the packed backend prefix_shared on activation-checkpointed models: its calls read the prefix's
+    KV cache, which checkpointed layers do not keep (`auto` never picks it there: memopd.cost.candidates)."""
+    if backend == "prefix_shared" and checkpointed:
+        raise ValueError("train.ppo.backend prefix_shared cannot run activation-checkpointed models: "
+                         "use auto, flex, calls or sdpa, or train.activation_checkpointing: false")
 
 
 def _fsdp_modules(model) -> list:

@@ -1,0 +1,69 @@
+"""Process-group plumbing of the trainers: torchrun's environment, the process group, and the collectives the
+updates need (small Python objects, gradient sums, a global mean and std).
+
+Without an initialised process group every collective is the single-process identity, so a trainer runs the
+same code alone or under torchrun (WORLD_SIZE > 1).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as tdist
+
+
+def dist_info() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment (1 process without it)."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def setup_distributed() -> torch.device:
+    """Initialise the process group under torchrun (nccl on GPUs, gloo on CPUs) and return this rank's device."""
+    _, world, local = dist_info()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not tdist.is_initialized():
+        tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def world_size() -> int:
+    """Ranks of the initialised process group (1 without one)."""
+    return tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
+
+
+def gather(obj) -> list:
+    """Every rank's `obj`, in rank order ([obj] in a single process). Small Python objects only."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+def allreduce_grads(params) -> None:
+    """Sum the gradients of `params` over ranks, in place. A rank that held none of a minibatch's
+    episodes contributes zeros (a None gradient would make AdamW skip the parameter there)."""
+    if world_size() == 1:
+        return
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for w in [tdist.all_reduce(p.grad, async_op=True) for p in params]:
+        w.wait()
+
+
+def global_mean_std(x: torch.Tensor) -> tuple[float, float]:
+    """Mean and unbiased std of the concatenation of every rank's (N_r,) `x` (two passes, float64); the std
+    is at least 1e-6 (1.0 for a single element)."""
+    x = x.detach().double().cpu()
+    parts = gather((x.numel(), x.sum().item()))
+    n = sum(k for k, _ in parts)
+    mean = sum(t for _, t in parts) / max(n, 1)
+    sq = sum(gather(((x - mean) ** 2).sum().item()))
+    std = (sq / (n - 1)) ** 0.5 if n > 1 else 1.0
+    return mean, max(std, 1e-6)

@@ -1,0 +1,57 @@
+"""The `train` config section of a run, typed once at the run's entry (`RunConfig.from_section`).
+
+Every default of the section is a default of these dataclasses (`train.ppo` and `train.dtype`: PPOConfig's),
+the ones workflow/schemas/config.schema.yaml states included; the one rule across keys (prefix_shared cannot
+run activation-checkpointed models: `parallel.check_backend`) is checked here, before any model loads. Keys
+the workflow reads and a run does not (WORKFLOW_KEYS) are accepted and ignored; any other key is refused.
+"""
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+
+from memopd.parallel import SHARDING, check_backend
+from memopd.train.ppo import PPOConfig
+
+WORKFLOW_KEYS = ("student", "teacher", "methods", "seeds", "benchmark", "horizons", "matched_control")
+# PPOConfig fields that are not keys of train.ppo: the run's method and seed, train.dtype, the tokenizer's size
+PPO_RUN_FIELDS = ("method", "seed", "dtype", "vocab")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int  # optimizer steps of the run
+    batch_tasks: int  # episodes per step (all ranks); at least one per rank
+    lr_actor: float
+    lr_critic: float
+    ppo: PPOConfig  # train.ppo, with the run's method and seed and train.dtype
+    critic_layers: int | None = None  # the critic's decoder layers: the student's first N (None: all)
+    checkpoint_every: int = 1  # steps between checkpoints (the last step always writes one)
+    keep_checkpoint: bool = False  # keep checkpoint/ after a finished run
+    shard: str = "none"  # none (a replica per rank) | fsdp (FSDP2 shards of policy, critic, reference)
+    activation_checkpointing: bool = False  # recompute every decoder layer of policy and critic in the backward
+    vllm: dict = field(default_factory=dict)  # the colocated rollout engine (weight_sync.colocated_llm)
+
+    def __post_init__(self):
+        if self.shard not in SHARDING:
+            raise ValueError(f"train.shard {self.shard!r}: choose from {SHARDING}")
+        check_backend(self.ppo.backend, self.activation_checkpointing)
+
+    @property
+    def dtype(self) -> str:
+        """train.dtype: the compute precision of policy, critic and reference, and the teacher's weights."""
+        return self.ppo.dtype
+
+    @classmethod
+    def from_section(cls, section: dict, method: str, seed: int) -> RunConfig:
+        """The `train` config section of the run (`method`, `seed`)."""
+        own = {f.name for f in fields(cls)}
+        if unknown := set(section) - own - {"dtype"} - set(WORKFLOW_KEYS):
+            raise ValueError(f"unknown train config keys {sorted(unknown)}")
+        if missing := {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING} - set(section):
+            raise ValueError(f"train config lacks {sorted(missing)}")
+        ppo_keys = {f.name for f in fields(PPOConfig)} - set(PPO_RUN_FIELDS)
+        if unknown := set(section["ppo"]) - ppo_keys:
+            raise ValueError(f"unknown train.ppo keys {sorted(unknown)}")
+        precision = {"dtype": section["dtype"]} if "dtype" in section else {}
+        ppo = PPOConfig(**section["ppo"], **precision, method=method, seed=seed)
+        return cls(**{k: v for k, v in section.items() if k in own and k != "ppo"}, ppo=ppo)
