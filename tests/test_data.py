@@ -176,7 +176,7 @@ def test_cli_reports_bad_config_without_traceback(bench_cfg, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["benchmarks", "--cfg", json.dumps(cfg), "--data-dir", str(DATA),
               "--out-dir", str(tmp_path / "out"), "--stats", str(tmp_path / "stats.csv")])
-    assert "benchmarks.compose: 'interleaved'" in str(e.value.code)
+    assert e.value.code == 2 and "benchmarks.compose: 'interleaved'" in capsys.readouterr().err
     _assert_nothing_written(tmp_path)
 
 

@@ -21,6 +21,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TINY_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+BASE_KEYS = ("package", "version", "module", "file", "sha256")  # what packaged_model reads of models.base
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, min_frequency: int = 2):
@@ -57,8 +59,7 @@ def tiny_config(arch: dict, tokenizer):
     """A Qwen2 (the Qwen2.5 architecture) config from a small dict of sizes."""
     from transformers import Qwen2Config
 
-    required = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"]
-    missing = [k for k in required if k not in arch]
+    missing = [k for k in TINY_KEYS if k not in arch]
     if missing:
         raise ValueError(f"tiny model config lacks {missing}")
     return Qwen2Config(

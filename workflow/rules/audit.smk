@@ -3,13 +3,13 @@
 
 rule rce_smoke:
     input:
-        src("records", "packing", "attention", "cost", "rce", "synthetic", "cli"),
         model="results/models/student_init/model.safetensors",
     output:
         json="results/audit/rce_smoke.json",
         csv=report("results/audit/rce_smoke.csv", caption=caption("rce_smoke"), category=REPORT_AUDITS,
                    subcategory="RCE"),
     params:
+        code=code("rce"),
         memopd=MEMOPD,
         cfg=cfg_json("rce"),
         seed=config["seed"],
@@ -36,8 +36,6 @@ rule rce_smoke:
 # the `audit` config section; the captions name them.
 
 AUDIT = config["audit"]
-AUDIT_STEPS_SRC = src("audit/__init__", "audit/steps", "report/tables", "records", "models", "cli")
-AUDIT_SRC = AUDIT_STEPS_SRC + src("audit/alignment", "packing", "attention", "cost", "rce")
 AUDIT_MODEL = f"results/models/{AUDIT['model']}/model.safetensors"
 AUDIT_EPISODES = "results/audit/episodes.parquet"
 AUDIT_RULES = ["full_retention", "suffix_retention", "summary_replacement", "sliding_window", "retrieval_refresh"]
@@ -55,8 +53,6 @@ AUDIT_PACKING_CFG = json.dumps({k: AUDIT[k] for k in ("backends", "packing")}, s
 
 rule audit_episodes:
     input:
-        AGENT_SRC,
-        AUDIT_STEPS_SRC,
         model=AUDIT_MODEL,
         benchmark=f"results/benchmarks/{AUDIT['benchmark']}.parquet",
         index=RETRIEVAL_INDEX,
@@ -64,6 +60,7 @@ rule audit_episodes:
         episodes=AUDIT_EPISODES,
         meta="results/audit/episodes.json",
     params:
+        code=code("audit rollouts"),
         memopd=MEMOPD,
         cfg=AUDIT_ROLLOUT_CFG,
         seed=config["seed"],
@@ -105,7 +102,6 @@ use rule audit_episodes as audit_rule_episodes with:
 
 rule audit_alignment:
     input:
-        AUDIT_SRC,
         model=AUDIT_MODEL,
         episodes=AUDIT_EPISODES,
     output:
@@ -113,6 +109,7 @@ rule audit_alignment:
                    subcategory="RCE"),
         md="results/tables/alignment_audit.md",
     params:
+        code=code("audit alignment"),
         memopd=MEMOPD,
         cfg=AUDIT_TABLE_CFG,
         model=lambda w, input: os.path.dirname(input.model),
@@ -132,7 +129,6 @@ rule audit_alignment:
 
 rule audit_state_corruption:
     input:
-        AUDIT_SRC,
         model=AUDIT_MODEL,
         episodes=AUDIT_EPISODES,
     output:
@@ -140,6 +136,7 @@ rule audit_state_corruption:
                    subcategory="RCE"),
         md="results/tables/state_corruption.md",
     params:
+        code=code("audit state-corruption"),
         memopd=MEMOPD,
         cfg=AUDIT_TABLE_CFG,
         model=lambda w, input: os.path.dirname(input.model),
@@ -159,7 +156,6 @@ rule audit_state_corruption:
 
 rule audit_teacher_divergence:
     input:
-        AUDIT_SRC,
         teacher=f"results/models/{AUDIT['teacher']}/model.safetensors",
         episodes=AUDIT_EPISODES,
     output:
@@ -169,6 +165,7 @@ rule audit_teacher_divergence:
         figure=report("results/figures/teacher_divergence.png", caption=caption("teacher_divergence_figure"),
                       category=REPORT_AUDITS, subcategory="teacher"),
     params:
+        code=code("audit teacher-divergence"),
         memopd=MEMOPD,
         cfg=AUDIT_TABLE_CFG,
         teacher=lambda w, input: os.path.dirname(input.teacher),
@@ -188,13 +185,13 @@ rule audit_teacher_divergence:
 
 rule audit_action_domain:
     input:
-        AUDIT_SRC,
         episodes=AUDIT_EPISODES,
     output:
         csv=report("results/tables/action_domain.csv", caption=caption("action_domain"), category=REPORT_AUDITS,
                    subcategory="training masks"),
         md="results/tables/action_domain.md",
     params:
+        code=code("audit action-domain"),
         memopd=MEMOPD,
         cfg=AUDIT_TABLE_CFG,
     log:
@@ -212,7 +209,6 @@ rule audit_action_domain:
 
 rule audit_context_updates:
     input:
-        AUDIT_SRC,
         model=AUDIT_MODEL,
         episodes=expand("results/audit/episodes_{rule}.parquet", rule=AUDIT_RULES),
     output:
@@ -220,6 +216,7 @@ rule audit_context_updates:
                    subcategory="RCE"),
         md="results/tables/context_updates.md",
     params:
+        code=code("audit context-updates"),
         memopd=MEMOPD,
         cfg=AUDIT_TABLE_CFG,
         model=lambda w, input: os.path.dirname(input.model),
@@ -239,8 +236,6 @@ rule audit_context_updates:
 
 rule audit_packing_efficiency:
     input:
-        AUDIT_SRC,
-        src("audit/packing_bench", "synthetic"),
         model=AUDIT_MODEL,
         episodes=AUDIT_EPISODES,
     output:
@@ -250,6 +245,7 @@ rule audit_packing_efficiency:
         figure=report("results/figures/packing_efficiency.png", caption=caption("packing_efficiency_figure"),
                       category=REPORT_EFFICIENCY, subcategory="packing"),
     params:
+        code=code("audit packing-efficiency"),
         memopd=MEMOPD,
         cfg=AUDIT_PACKING_CFG,
         model=lambda w, input: os.path.dirname(input.model),

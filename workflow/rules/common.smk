@@ -1,9 +1,10 @@
 # Shared helpers: config validation, the memopd command, job resources and software environments,
-# per-step code dependencies.
+# per-step code dependencies (code()).
 import json
 import re
 import shlex
 import sys
+from pathlib import Path
 
 from snakemake.utils import validate
 
@@ -12,7 +13,7 @@ validate(config, schema="../schemas/config.schema.yaml")
 
 LOGS = "results/logs"
 
-# Every step runs this checkout's src/ (what src() tracks) with `python -m memopd.cli`: under the
+# Every step runs this checkout's src/ (what code() tracks) with `python -m memopd.cli`: under the
 # interpreter running Snakemake (the venv, activated or not), or under the step's conda/container env
 # when a deployment method is on (those envs hold dependencies only). Both are passed through the
 # environment, which jobs inherit (on SLURM too), so that the command, and with it the params Snakemake
@@ -31,9 +32,11 @@ PYTHON_ONLINE = 'PYTHONPATH="$MEMOPD_SRC${PYTHONPATH:+:$PYTHONPATH}" "$MEMOPD_PY
 # directory. Without a hub section (the embedded default, which never reaches the hub) nothing changes.
 sys.path.insert(0, SRC)  # this checkout's library, as the jobs run it
 try:
+    from memopd.codegraph import code_hash, command_targets
     from memopd.prefetch import hub_repos, localize
 finally:
     sys.path.remove(SRC)
+COMMANDS = command_targets(Path(SRC))  # "audit alignment" -> "memopd.audit.commands:cmd_audit_alignment"
 HUB_REPOS = hub_repos(config) if config.get("hub") else []  # refuses an unpinned repository before any job starts
 HUB_MANIFEST = ["results/prefetch/manifest.json"] if config.get("hub") else []
 JOB_CONFIG = localize(config)
@@ -76,10 +79,14 @@ def eval_cfg(benchmark):
     return json.dumps({"agent": config["agent"], "rollout": config["rollout"], "eval": ev}, sort_keys=True)
 
 
-def src(*modules):
-    """Source files a step depends on: Snakemake does not track imported modules, so a code change
-    reruns a step only through these inputs."""
-    return [f"src/memopd/{m}.py" for m in modules]
+def code(command):
+    """`params: code=code("audit alignment")`: the function that runs the step's `memopd` command and a hash of
+    the code it can import (memopd.codegraph: its import closure, read from the source). A change to that code
+    changes the param, so Snakemake's params rerun trigger reruns the step and what depends on it; a change to
+    code the command never imports reruns nothing. Not tracked: the CLI's assembly (cli.py, the other
+    commands' registration), which parses arguments and computes nothing."""
+    target = COMMANDS[command]
+    return f"{target}@{code_hash(target, Path(SRC))}"
 
 
 def _job_spec(name):

@@ -2,8 +2,6 @@
 # Inputs from the benchmarks/retrieval steps: results/benchmarks/{benchmark}.parquet and the
 # index directory results/retrieval/index.
 
-AGENT_SRC = src("agent/__init__", "agent/protocol", "agent/memory", "agent/backends", "agent/rollout",
-                "agent/evaluate", "records", "cli")
 RETRIEVAL_INDEX = "results/retrieval/index"
 EVAL_BENCHMARKS = config["eval"]["benchmarks"]
 
@@ -12,7 +10,6 @@ rule eval:
     # one job per (model, benchmark): a target asks only for the evaluations it reads (the trained runs are
     # evaluated on train.horizons, the SFT models on eval.benchmarks)
     input:
-        AGENT_SRC,
         model="results/models/{model}/model.safetensors",
         benchmark="results/benchmarks/{benchmark}.parquet",
         index=RETRIEVAL_INDEX,
@@ -24,6 +21,7 @@ rule eval:
     wildcard_constraints:
         benchmark="|".join(EVAL_BENCHMARKS),
     params:
+        code=code("eval"),
         memopd=MEMOPD,
         tracking=cfg_json("tracking"),
         cfg=lambda w: eval_cfg(w.benchmark),
@@ -53,14 +51,13 @@ rule eval_all:
 
 rule rce_rollouts:
     input:
-        AGENT_SRC,
-        src("packing", "attention", "cost", "rce"),
         model="results/models/student_init/model.safetensors",
         benchmark=f"results/benchmarks/{config['rce_rollouts']['benchmark']}.parquet",
         index=RETRIEVAL_INDEX,
     output:
         "results/audit/rce_rollouts.json",
     params:
+        code=code("rce-rollouts"),
         memopd=MEMOPD,
         cfg=lambda w: json.dumps({k: config[k] for k in ("agent", "rollout", "rce_rollouts")}, sort_keys=True),
         seed=config["seed"],

@@ -4,11 +4,11 @@
 
 rule tokenizer:
     input:
-        src("models", "data/__init__", "cli"),
         data=config["data_dir"],
     output:
         "results/models/tokenizer/tokenizer.json",
     params:
+        code=code("tokenizer"),
         memopd=MEMOPD,
         cfg=cfg_json("tokenizer"),
         outdir=lambda w, output: os.path.dirname(output[0]),
@@ -28,10 +28,10 @@ rule tokenizer:
 rule model_base:
     # the packaged pretrained LM (config models.base), hash-checked and de-quantised once
     input:
-        src("models", "cli"),
     output:
         "results/models/base/model.safetensors",
     params:
+        code=code("model base"),
         memopd=MEMOPD,
         cfg=lambda w: cfg_json("models", "base"),
         outdir=lambda w, output: os.path.dirname(output[0]),
@@ -50,7 +50,6 @@ rule model_base:
 
 rule model_init:
     input:
-        src("models", "cli"),
         unpack(model_init_inputs),
         hub=HUB_MANIFEST,  # paper scale: the pretrained model is prefetched
     output:
@@ -58,6 +57,7 @@ rule model_init:
     wildcard_constraints:
         role="student|teacher",
     params:
+        code=code("model init"),
         memopd=MEMOPD,
         cfg=lambda w: cfg_json("models", w.role),
         seed=config["seed"],

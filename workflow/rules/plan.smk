@@ -1,4 +1,4 @@
-# The resource plan (src/memopd/plan.py): every job's peak GPU memory, host memory and disk, estimated from
+# The resource plan (src/memopd/plan/): every job's peak GPU memory, host memory and disk, estimated from
 # the config, against its resources. Two uses:
 #  * checked before a run: the onstart handler below plans the rules of the jobs about to run and, with
 #    plan.enforce (config/paper.yaml), refuses the run, naming each job and the number that does not fit,
@@ -14,11 +14,11 @@ localrules:
 
 rule plan:
     input:
-        src("plan", "cli"),
     output:
         csv="results/plan/plan.csv",
         md="results/plan/plan.md",
     params:
+        code=code("plan"),
         memopd=MEMOPD,
         cfg=json.dumps(config, sort_keys=True),
     log:

@@ -6,7 +6,7 @@
 
 rule prefetch:
     localrule: True
-    # no src() input: a change of the downloader must not rerun the whole pipeline; the repositories and their
+    # no code() param: a change of the downloader must not rerun the whole pipeline; the repositories and their
     # revisions (params.cfg) decide what the manifest holds, and a change of them reruns it and what reads it
     output:
         "results/prefetch/manifest.json",

@@ -4,13 +4,10 @@
 
 # which teacher played the trajectories: a column of results/tables/sft_data_stats.csv
 TRAJECTORY_TEACHER = config["teacher"]["kind"]
-SFT_SRC = src("records", "packing", "attention", "cost", "models", "tracking", "cli", "sft/data", "sft/loss",
-              "sft/checkpoint", "sft/trainer", "sft/commands")
 
 
 rule sft_examples:
     input:
-        src("records", "tracking", "cli", "sft/data", "sft/commands"),
         episodes="results/sft/trajectories.parquet",
         tracking=TRACKING_STORE,
     output:
@@ -19,6 +16,7 @@ rule sft_examples:
         table=report("results/tables/sft_data_stats.csv", caption=caption("sft_data_stats"), category=REPORT_SFT,
                      subcategory="data"),
     params:
+        code=code("sft examples"),
         memopd=MEMOPD,
         cfg=cfg_json("sft"),
         tracking=cfg_json("tracking"),
@@ -41,13 +39,13 @@ rule sft_examples:
 
 rule sft_lm_data:
     input:
-        src("records", "models", "cli", "sft/data", "sft/commands", "retrieval/base", "retrieval/corpus"),
         corpus="results/retrieval/corpus.parquet",
         tokenizer="results/models/tokenizer/tokenizer.json",
     output:
         examples="results/sft/lm.parquet",
         stats="results/sft/lm_stats.json",
     params:
+        code=code("sft lm-data"),
         memopd=MEMOPD,
         cfg=cfg_json("sft"),
         seed=config["seed"],
@@ -68,7 +66,6 @@ rule sft_lm_data:
 
 rule sft_pretrain:
     input:
-        SFT_SRC,
         examples="results/sft/lm.parquet",
         init="results/models/{role}_init/model.safetensors",
         tracking=TRACKING_STORE,
@@ -77,6 +74,7 @@ rule sft_pretrain:
     wildcard_constraints:
         role="student|teacher",
     params:
+        code=code("sft train"),
         launch=launcher,
         cfg=cfg_json("sft"),
         tracking=cfg_json("tracking"),
@@ -101,7 +99,6 @@ rule sft_pretrain:
 
 rule sft_train:
     input:
-        SFT_SRC,
         examples="results/sft/examples.parquet",
         init=sft_init,
         tracking=TRACKING_STORE,
@@ -110,6 +107,7 @@ rule sft_train:
     wildcard_constraints:
         role="student|teacher",
     params:
+        code=code("sft train"),
         launch=launcher,  # torchrun (DDP) when the job has several GPUs
         cfg=cfg_json("sft"),
         tracking=cfg_json("tracking"),
@@ -134,7 +132,6 @@ rule sft_train:
 
 rule sft_eval:
     input:
-        SFT_SRC,
         examples="results/sft/examples.parquet",
         model="results/models/{name}/model.safetensors",
         tracking=TRACKING_STORE,
@@ -143,6 +140,7 @@ rule sft_eval:
     wildcard_constraints:
         name="student_init|student_sft|teacher_sft",
     params:
+        code=code("sft eval"),
         memopd=MEMOPD,
         cfg=cfg_json("sft"),
         tracking=cfg_json("tracking"),
@@ -166,8 +164,6 @@ rule sft_eval:
 
 rule bench_sft:
     input:
-        SFT_SRC,
-        src("synthetic", "sft/bench"),
         model="results/models/student_init/model.safetensors",
         data=config["data_dir"],
         tracking=TRACKING_STORE,
@@ -175,6 +171,7 @@ rule bench_sft:
         report("results/bench/sft_packed_vs_padded.csv", caption=caption("sft_packed_vs_padded"),
                category=REPORT_EFFICIENCY, subcategory="SFT"),
     params:
+        code=code("bench sft"),
         memopd=MEMOPD,
         cfg=cfg_json("sft"),
         tracking=cfg_json("tracking"),
@@ -200,7 +197,6 @@ SFT_MODELS = ["student_init", "student_sft", "teacher_sft"]
 
 rule sft_summary:
     input:
-        src("report/tables", "report/results", "cli"),
         heldout=expand("results/sft/heldout_{name}.json", name=SFT_MODELS),
         evals=expand("results/eval/{name}/q2_test.json", name=SFT_MODELS),
         tasks=expand("results/eval/{name}/q2_test.csv", name=SFT_MODELS),  # per task: the paired intervals
@@ -210,6 +206,7 @@ rule sft_summary:
                    subcategory="models"),
         md="results/tables/sft_summary.md",
     params:
+        code=code("report sft"),
         memopd=MEMOPD,
         names=SFT_MODELS,
         info=lambda w, input: [os.path.join(os.path.dirname(p), "memopd_model.json") for p in input.info],

@@ -17,8 +17,6 @@ TRAJECTORY_SHARDS = list(range(TEACHER.get("shards", 1)))
 
 rule sft_trajectories:
     input:
-        src("agent/teacher", "agent/llm_teacher", "agent/trajectories", "agent/shards", "agent/protocol",
-            "agent/memory", "agent/rollout", "agent/backends", "records", "cli"),
         benchmarks=expand("results/benchmarks/{name}.parquet", name=TEACHER["benchmarks"]),
         index="results/retrieval/index",
         tokenizer=TEACHER_TOKENIZER,
@@ -29,6 +27,7 @@ rule sft_trajectories:
     wildcard_constraints:
         shard=r"\d+",
     params:
+        code=code("sft trajectories"),
         memopd=MEMOPD,
         cfg=lambda w: json.dumps({k: JOB_CONFIG[k] for k in ("teacher", "agent", "rollout")}, sort_keys=True),
         seed=config["seed"],
@@ -51,13 +50,13 @@ rule sft_trajectories:
 
 rule sft_trajectories_merge:
     input:
-        src("agent/trajectories", "agent/shards", "records", "sft/commands", "cli"),
         shards=expand("results/sft/trajectories/shard_{shard}.parquet", shard=TRAJECTORY_SHARDS),
         stats=expand("results/sft/trajectories/shard_{shard}_stats.json", shard=TRAJECTORY_SHARDS),
     output:
         trajectories="results/sft/trajectories.parquet",
         stats="results/sft/trajectories_stats.json",
     params:
+        code=code("sft merge-trajectories"),
         memopd=MEMOPD,
     log:
         f"{LOGS}/sft_trajectories_merge.log",

@@ -6,10 +6,10 @@ TRACKING_STORE = "results/tracking/store.json"
 
 rule tracking_init:
     input:
-        src("tracking", "sft/commands", "cli"),
     output:
         TRACKING_STORE,
     params:
+        code=code("tracking init"),
         memopd=MEMOPD,
         cfg=cfg_json("tracking"),
     log:

@@ -5,8 +5,6 @@ TRAIN = config["train"]
 # What a training run sees: the train section without matched_control (which says which runs a table
 # reads, not how to train), so that changing the control's seeds reruns no training and no Tables 1-2.
 TRAIN_RUN = {k: v for k, v in TRAIN.items() if k != "matched_control"}
-TRAIN_SRC = src("train/ppo", "train/loop", "train/weight_sync", "losses", "packing", "attention", "cost", "rce", "agent/rollout",
-                "agent/backends", "vocab", "cli")
 TRAINED = [f"{m}_seed{s}" for m in TRAIN["methods"] for s in TRAIN["seeds"]]
 # The matched control: methods fixed (as memopd.report.results.MATCHED_METHODS), runs {method}_seed{seed}.
 CONTROL = TRAIN["matched_control"]
@@ -15,7 +13,6 @@ CONTROL_RUNS = [f"{m}_seed{s}" for m in ("ppo", "memopd_persistent", "memopd") f
 
 rule train:
     input:
-        TRAIN_SRC,
         unpack(train_teacher),
         student=f"results/models/{TRAIN['student']}/model.safetensors",
         tasks=f"results/benchmarks/{TRAIN['benchmark']}.parquet",
@@ -28,6 +25,7 @@ rule train:
         method="ppo|memopd|memopd_persistent",
         seed=r"\d+",
     params:
+        code=code("train"),
         launch=launcher,  # torchrun (one rank per GPU, gradients summed over ranks) when the job has several GPUs
         tracking=cfg_json("tracking"),
         cfg=lambda w: json.dumps({"train": TRAIN_RUN, **{k: config[k] for k in ("agent", "rollout")}}, sort_keys=True),
@@ -52,7 +50,6 @@ rule train:
 
 rule results_tables:
     input:
-        src("report/results", "report/tables", "cli"),
         evals=expand("results/eval/{model}/{benchmark}.json", model=TRAINED + [TRAIN["student"]],
                      benchmark=list(TRAIN["horizons"])),
     output:
@@ -68,6 +65,7 @@ rule results_tables:
         figure=report("results/figures/f1_vs_horizon.png", caption=caption("f1_vs_horizon"), category=REPORT_TRAINING,
                       subcategory="Tables 1-2"),
     params:
+        code=code("report results"),
         memopd=MEMOPD,
         cfg=json.dumps(TRAIN_RUN, sort_keys=True),
     log:
@@ -87,13 +85,13 @@ rule results_tables:
 rule matched_control:
     # exactly the control's runs on its benchmark (the eval job of a run also writes its other benchmarks)
     input:
-        src("report/results", "report/tables", "cli"),
         evals=expand("results/eval/{model}/{benchmark}.json", model=CONTROL_RUNS, benchmark=CONTROL["benchmark"]),
     output:
         csv=report("results/tables/matched_control.csv", caption=caption("matched_control"), category=REPORT_TRAINING,
                    subcategory="matched control"),
         md="results/tables/matched_control.md",
     params:
+        code=code("report matched-control"),
         memopd=MEMOPD,
         cfg=cfg_json("train"),
     log:
@@ -114,13 +112,13 @@ rule training_curves:
     # reward, invalid rate, OPD reverse KL and PPO clip fraction vs step of every (method, seed) run of
     # train.methods x train.seeds; the figure is also an artifact of the MLflow run `training-curves`
     input:
-        src("report/curves", "tracking", "cli"),
         metrics=expand("results/train/{method}/seed{seed}/metrics.jsonl", method=TRAIN["methods"], seed=TRAIN["seeds"]),
         tracking=TRACKING_STORE,
     output:
         figure=report("results/figures/training_curves.png", caption=caption("training_curves"),
                       category=REPORT_TRAINING, subcategory="training curves"),
     params:
+        code=code("report curves"),
         memopd=MEMOPD,
         cfg=json.dumps(TRAIN_RUN, sort_keys=True),
         tracking=cfg_json("tracking"),

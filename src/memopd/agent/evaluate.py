@@ -18,7 +18,9 @@ from memopd.agent.backends import HFBackend, Sampling, VLLMBackend
 from memopd.agent.memory import RULES
 from memopd.agent.protocol import Task
 from memopd.agent.rollout import AgentConfig, rollout
-from memopd.records import Episode
+from memopd.inputs import ConfigError, section
+from memopd.records import Episode, save_episodes
+from memopd.report.tables import write_csv, write_json
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
 
@@ -70,6 +72,24 @@ def make_backend(rollout_cfg: dict, model_dir: str | Path, seed: int = 0, **samp
     device = rollout_cfg.get("device") or default_device()
     model = load_model(model_dir, dtype=rollout_cfg.get("dtype", "float32"), device=device)
     return HFBackend(model, tok, sampling), tok, model
+
+
+def agent_config(cfg: dict, **overrides) -> AgentConfig:
+    """The `agent` section as an AgentConfig, its batch size from `rollout`; a ConfigError names a bad key."""
+    batch = section(cfg, "rollout", "batch_size")["batch_size"]
+    try:
+        return AgentConfig.from_dict(section(cfg, "agent"), **{"batch_size": batch, **overrides})
+    except (TypeError, ValueError) as e:  # an unknown key, or a field without a value
+        raise ConfigError(f"config section 'agent': {e}") from None
+
+
+def load_agent(rollout_cfg: dict, model_dir: str | Path, index: str | Path, seed: int, **sampling):
+    """(backend, tokenizer, model, retriever) of an agent step; the index opens first, so that a missing one
+    is refused before the model loads."""
+    retriever = load_retriever(index)
+    torch.manual_seed(seed)
+    backend, tok, model = make_backend(rollout_cfg, model_dir, seed=seed, **sampling)
+    return backend, tok, model, retriever
 
 
 def aggregate(episodes: list[Episode], wall_s: float) -> dict:
@@ -149,4 +169,63 @@ def rce_rollouts(model, backend, tokenizer, tasks: list[Task], retriever, agent:
         report["rules"][rule] = r
     report["tolerance"] = next(iter(report["rules"].values()))["tolerance"] if report["rules"] else tolerance
     report["passed"] = all(r["passed"] for r in report["rules"].values())
+    return report
+
+
+def evaluate_benchmarks(cfg: dict, agent: AgentConfig, model_dir: str, benchmarks: list[str], index: str,
+                        out_dir: str | Path, seed: int = 0, limit: int | None = None, tracking: str | None = None):
+    """Every benchmark of one model in one process: the model, tokenizer and index load once (on the embedded
+    default, loading and imports were ~10 s of each ~12 s per-benchmark job). Writes {benchmark}.json, .csv
+    and .episodes.parquet under `out_dir`, each benchmark tracked as a child of the run that trained the model."""
+    from memopd.tracking import eval_metrics, run_ref, tracked
+
+    ev = cfg.get("eval", {})
+    stems = [Path(b).stem for b in benchmarks]
+    backend, tok, _, retriever = load_agent(cfg["rollout"], model_dir, index, seed, **eval_overrides(ev, stems[0]))
+    for path, bench in zip(benchmarks, stems):
+        torch.manual_seed(seed)  # as if each benchmark ran alone
+        backend.sampling = make_sampling(cfg["rollout"], **eval_overrides(ev, bench))
+        tasks = load_tasks(path, limit=limit or per_benchmark(ev.get("max_tasks"), bench))
+        # a child of the run that trained the model (its id in the model directory), tagged with its method and seed
+        with tracked(tracking, f"eval-{Path(model_dir).name}-{bench}", cfg, stage="eval", model=Path(model_dir).name,
+                     seed=seed, tags={"benchmark": bench, "eval_seed": seed}, parent=run_ref(model_dir)) as run:
+            run.log_input(path, "eval")
+            out, episodes = evaluate(tasks, backend, tok, retriever, agent, seed=seed)
+            run.log_metrics(eval_metrics(out), 0)  # eval/f1, eval/em, eval/invalid_rate, ... in every eval run
+        out.update(model=model_dir, benchmark=path, backend=backend.name, config={**cfg, "seed": seed},
+                   # the protocol used (eval overrides or the training rollout's): tables state the budget
+                   max_new_tokens=backend.sampling.max_new_tokens, temperature=backend.sampling.temperature)
+        out_path = Path(out_dir) / f"{bench}.json"
+        write_json(out_path, out)
+        write_csv(out_path.with_suffix(".csv"), episode_rows(episodes))
+        save_episodes(out_path.with_suffix(".episodes.parquet"), episodes)
+        print(f"{bench}: {len(episodes)} episodes: EM {out['em']:.3f} F1 {out['f1']:.3f} "
+              f"calls/ep {out['calls_per_episode']:.2f} invalid {out['invalid_action_rate']:.3f} "
+              f"peak {out['peak_context_tokens']:.0f} {out['throughput']['episodes_per_s']:.2f} ep/s "
+              f"{out['throughput']['generated_tokens_per_s']:.0f} tok/s")
+
+
+def rce_rollouts_step(cfg: dict, agent: AgentConfig, model_dir: str, benchmark: str, index: str, seed: int = 0,
+                      limit: int | None = None) -> dict:
+    """The RCE of real rollouts under every memory-rewrite rule (`cfg`: agent, rollout, rce_rollouts sections)."""
+    from dataclasses import replace
+
+    from memopd.models import default_device, load_model
+    from memopd.rce import tolerance_fields, tolerances
+
+    rc = cfg["rce_rollouts"]
+    rollout_cfg = cfg["rollout"]
+    if rc.get("gpu_memory_utilization") is not None:  # the engine stays up while the model scores beside it
+        rollout_cfg = {**rollout_cfg, "vllm": {**rollout_cfg.get("vllm", {}),
+                                               "gpu_memory_utilization": rc["gpu_memory_utilization"]}}
+    backend, tok, model, retriever = load_agent(rollout_cfg, model_dir, index, seed, max_new_tokens=rc["max_new_tokens"])
+    tasks = load_tasks(benchmark, limit=limit or rc["tasks"])
+    if model is None or str(model.dtype).split(".")[-1] != rc["dtype"]:
+        # the packed and independent passes run under transformers in the audit's dtype
+        model = load_model(model_dir, dtype=rc["dtype"], device=default_device())
+    agent = replace(agent, invalid_action=rc.get("invalid_action", agent.invalid_action))
+    report = rce_rollouts(model, backend, tok, tasks, retriever, agent, rules=rc.get("rules") or RULES,
+                          backends=rc["backends"], dtype=rc["dtype"], tolerance=rc.get("tolerance"), seed=seed)
+    report["config"] = {**cfg, "rollout": rollout_cfg, "seed": seed, "model": model_dir, "benchmark": benchmark}
+    report.update(tolerance_fields(tolerances(rc["dtype"], rc.get("tolerance"))))  # what every rule was gated on
     return report

@@ -43,13 +43,14 @@ def rollout_step(cfg: dict, model_dir: str, benchmark: str, index: str, out: str
     audit = cfg["audit"]
     rule = rule or audit.get("rule") or cfg["agent"]["rule"]
     limit = limit or audit["episodes"]
+    retriever = load_retriever(index)  # before the model: a missing index is refused at once
     torch.manual_seed(seed)
     overrides = {k: audit[k] for k in ("temperature", "max_new_tokens") if audit.get(k) is not None}
     backend, tok, _ = make_backend(cfg["rollout"], model_dir, seed=seed, **overrides)
     tasks = load_tasks(benchmark, limit=limit)
     agent = AgentConfig.from_dict(cfg["agent"], batch_size=cfg["rollout"]["batch_size"])
     agent = replace(agent, rule=rule, invalid_action=audit.get("invalid_action") or agent.invalid_action)
-    episodes = rollout(tasks, backend, tok, load_retriever(index), agent, seed=seed, progress=False)
+    episodes = rollout(tasks, backend, tok, retriever, agent, seed=seed, progress=False)
     out = Path(out)
     save_episodes(out, episodes)
     sampling = backend.sampling if hasattr(backend, "sampling") else None
@@ -345,7 +346,7 @@ def packing_step(cfg: dict, model_dir: str, episodes_path: str, out: str, figure
     episodes, meta = read_episodes(episodes_path)
     model = _load(model_dir, "float32")
     if pk.get("activation_checkpointing"):  # one episode's activations would not fit (memopd.plan)
-        from memopd.train.parallel import checkpoint_activations
+        from memopd.parallel import checkpoint_activations
 
         model = checkpoint_activations(model)
     real = pk["real"]

@@ -94,34 +94,3 @@ def curves_figure(runs: dict[str, dict[int, list[dict]]], path: str | Path, titl
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return drawn
-
-
-def cmd_report_curves(args, cfg):
-    """results/figures/training_curves.png from every run's metrics.jsonl; logged to MLflow (a `report`
-    run holding the figure) when --tracking is given."""
-    from memopd.tracking import tracked
-
-    runs = load_runs(args.metrics)
-    first = next(iter(next(iter(runs.values())).values()))[0]
-    bench = cfg.get("benchmark", "")
-    seeds = sorted({s for r in runs.values() for s in r})
-    n_seeds = ", ".join(f"{m} ({len(runs[m])} seed{'s' if len(runs[m]) > 1 else ''})" for m in ordered(runs))
-    title = (f"Training curves{' on ' + bench if bench else ''}: {n_seeds}; line = mean over seeds {seeds}, "
-             "band = min-max")
-    drawn = curves_figure(runs, args.figure, title, args.reward)
-    with tracked(args.tracking, "training-curves", {"train": cfg, "metrics": list(args.metrics)}, stage="report",
-                 model="all", seed=args.seed, tags={"method": "report", "benchmark": bench or first.get("benchmark", "")}) as run:
-        run.log_artifact(args.figure)
-    for key, per_method in drawn.items():
-        print(f"{key:22s} " + "  ".join(f"{m} {c['mean'][0]:.3g} -> {c['mean'][-1]:.3g}" for m, c in per_method.items()))
-    print(f"panels: {'; '.join(panel_titles(args.reward))}\n-> {args.figure}")
-
-
-def add_parser(add, report) -> None:
-    """`memopd report curves` (registered by memopd.cli)."""
-    sp = add("curves", cmd_report_curves, "training curves (reward, invalid rate, OPD KL, PPO clip fraction vs "
-             "step; mean over seeds with a min-max band) from the runs' metrics.jsonl", report)
-    sp.add_argument("--metrics", nargs="+", required=True, help="results/train/{method}/seed{seed}/metrics.jsonl")
-    sp.add_argument("--figure", default="results/figures/training_curves.png")
-    sp.add_argument("--reward", default="", help="the score the runs were trained on (agent.reward: em, f1)")
-    sp.add_argument("--tracking", help="JSON of the `tracking` config section (uri, experiment); omit: no MLflow")

@@ -62,3 +62,9 @@ def write_table(rows: list[dict], csv_path: str | Path, caption: str, md_path: s
     tmp = md_path.with_name(md_path.name + ".tmp")
     tmp.write_text(markdown(rows, caption, notes))
     tmp.replace(md_path)
+
+
+def print_table(rows: list[dict], csv_path: str | Path) -> None:
+    """Show a written table (its Markdown) on stdout, for the step's log."""
+    print(Path(csv_path).with_suffix(".md").read_text())
+    print(f"{len(rows)} rows -> {csv_path}")

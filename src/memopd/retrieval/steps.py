@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+from memopd.inputs import ConfigError
 from memopd.retrieval import format_passages, load_retriever
 from memopd.retrieval.corpus import build_corpus, read_corpus
 from memopd.retrieval.recall import RECALL_COLUMNS, recall_rows, sample_questions, time_queries
@@ -23,7 +24,7 @@ def corpus_step(cfg: dict, data_dir: str | Path, out: str | Path) -> dict:
 def index_step(cfg: dict, corpus_path: str | Path, out_dir: str | Path, online: bool = False) -> dict:
     backend = cfg.get("backend", "bm25")
     if backend not in BACKENDS:
-        raise ValueError(f"retrieval.backend: unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
+        raise ConfigError(f"retrieval.backend: unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
     record = {"retrieval": cfg, "corpus": str(corpus_path)}
     if backend == "bm25":
         from memopd.retrieval.bm25 import build_index

@@ -1,4 +1,5 @@
-"""`memopd sft ...`, `memopd tracking init` and `memopd bench sft` (registered by memopd.cli).
+"""`memopd sft ...` and `memopd bench sft`: teacher trajectories, turn examples, pre-training data, SFT and its
+held-out evaluation, and the packed-vs-padded benchmark.
 
 Tracked commands take `--tracking JSON` (the `tracking` config section: uri, experiment); without it
 they record nothing in MLflow and say so. MLFLOW_TRACKING_URI in the environment overrides the uri.
@@ -11,11 +12,8 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-
-def _write_json(path, obj):
-    from memopd.report.tables import write_json as w
-
-    w(path, obj)
+from memopd.inputs import ConfigError, UsageError, existing, require, section
+from memopd.report.tables import write_csv, write_json
 
 
 @contextmanager
@@ -40,27 +38,47 @@ def _threads(args):
         torch.set_num_threads(max(1, args.threads // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
 
-def cmd_tracking_init(args, cfg):
-    from memopd.tracking import init_store, resolve_uri
+def train_config(cfg: dict, role: str | None, stage: str = "sft"):
+    """The TrainConfig of a role from the `sft` section; a ConfigError says what the section lacks."""
+    from memopd.sft.trainer import TrainConfig, stage_section
 
-    info = init_store(resolve_uri(cfg["uri"]), cfg["experiment"])
-    _write_json(args.out, {**info, "config": cfg})
-    print(f"tracking store {info['tracking_uri']}: experiment {info['experiment']!r} (id {info['experiment_id']}); "
-          f"in `mlflow ui`: http://127.0.0.1:5000/{info['ui_path']}")
+    try:
+        return TrainConfig.from_section(stage_section(cfg, stage), role)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config section 'sft': {e}") from None
+
+
+def cmd_sft_trajectories(args, cfg):
+    from memopd.agent.trajectories import trajectories_step
+
+    section(cfg, "teacher", "kind")
+    section(cfg, "agent")
+    section(cfg, "rollout")
+    existing(args.tokenizer, args.index)  # a missing benchmark: trajectories_step names it, with how to build it
+    try:
+        s = trajectories_step(cfg, args.benchmark, args.index, args.tokenizer, args.out, args.stats, seed=args.seed,
+                              limit=args.limit, server_log=args.server_log, shard=args.shard)
+    except ValueError as e:  # a teacher kind or shard that does not exist
+        raise UsageError(str(e)) from None
+    kept = "  ".join(f"{k}: {v['trajectories']} ({v['turn_examples']} turns)" for k, v in s["filter_preview"].items())
+    print(f"{s['trajectories_generated']} {s['teacher']} trajectories in {s['wall_s']:.1f}s: EM {s['em']:.3f} "
+          f"F1 {s['f1']:.3f} calls/ep {s['calls_per_episode']:.2f} invalid {s['invalid_action_rate']:.3f}; "
+          f"would keep {kept} -> {args.out}")
 
 
 def cmd_sft_examples(args, cfg):
-    from memopd.report.tables import write_csv as _write_csv
     from memopd.records import load_episodes, save_episodes
     from memopd.sft.data import turn_examples
 
+    require(cfg, "min_reward")
+    existing(args.episodes)
     examples, stats = turn_examples(load_episodes(args.episodes), cfg["min_reward"])
     stats = {"teacher": args.teacher, **stats}
     save_episodes(args.out, examples)
-    _write_json(args.stats, {**stats, "episodes": args.episodes, "config": cfg})
+    write_json(args.stats, {**stats, "episodes": args.episodes, "config": cfg})
     if args.table:
-        _write_csv(args.table, [{k: stats[k] for k in ("teacher", "trajectories_generated", "trajectories_kept",
-                                                       "turn_examples")}])
+        write_csv(args.table, [{k: stats[k] for k in ("teacher", "trajectories_generated", "trajectories_kept",
+                                                      "turn_examples")}])
     with _tracked(args, "sft_examples", {"sft": cfg, "episodes": args.episodes}, "sft_examples", args.teacher,
                   tags={"method": "sft", "benchmark": Path(args.episodes).stem}) as run:
         run.log_input(args.episodes, "source", name="sft/" + Path(args.episodes).stem)
@@ -73,10 +91,11 @@ def cmd_sft_examples(args, cfg):
 def cmd_sft_merge_trajectories(args, cfg):
     from memopd.agent.trajectories import merge_step
 
+    existing(*args.shards, *args.shard_stats)
     try:
         s = merge_step(args.shards, args.shard_stats, args.out, args.stats)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}")
+    except ValueError as e:  # shards of another run, or out of order
+        raise UsageError(str(e)) from None
     print(f"{len(args.shards)} shards -> {s['trajectories_generated']} {s['teacher']} trajectories "
           f"({s['turn_examples']} calls): EM {s['em']:.3f} F1 {s['f1']:.3f} -> {args.out}")
 
@@ -92,6 +111,8 @@ def cmd_sft_lm_data(args, cfg):
     from memopd.retrieval.corpus import read_corpus
     from memopd.sft.data import copy_examples, lm_examples
 
+    require(cfg, "seq_len")
+    existing(args.corpus, args.tokenizer)
     pre = cfg.get("pretrain") or {}
     corpus = read_corpus(args.corpus)
     tok = load_tokenizer(args.tokenizer)
@@ -106,7 +127,7 @@ def cmd_sft_lm_data(args, cfg):
              "lm_target_tokens": sum(len(x.invocations[0].output_ids) for x in examples),
              "copy_target_tokens": sum(len(x.invocations[0].output_ids) for x in copies),
              "corpus": args.corpus, "tokenizer": args.tokenizer, "seed": args.seed, "config": cfg}
-    _write_json(args.stats, stats)
+    write_json(args.stats, stats)
     print(f"{len(texts)} passages -> {len(examples)} LM examples ({stats['lm_target_tokens']} target tokens) + "
           f"{len(copies)} copy examples -> {args.out}")
 
@@ -114,15 +135,17 @@ def cmd_sft_lm_data(args, cfg):
 def cmd_sft_train(args, cfg):
     import torch
 
+    from memopd.dist import dist_info, setup_distributed
     from memopd.models import load_model, load_tokenizer
     from memopd.records import load_episodes
     from memopd.sft.data import split_heldout
-    from memopd.sft.trainer import TrainConfig, dist_info, setup_distributed, stage_section, train, whole_tensors
+    from memopd.sft.trainer import train, whole_tensors
 
+    tcfg = train_config(cfg, args.role, args.stage)
+    existing(args.examples, args.init)
     _threads(args)
     device = setup_distributed()
     rank, world, _ = dist_info()
-    tcfg = TrainConfig.from_section(stage_section(cfg, args.stage), args.role)
     train_ex, heldout = split_heldout(load_episodes(args.examples), tcfg.eval_fraction, args.seed)
     model = load_model(args.init, dtype="float32", device=str(device))  # fp32 master weights
     st = (Path(args.init) / "model.safetensors").stat()
@@ -149,7 +172,7 @@ def cmd_sft_train(args, cfg):
             info = {**init_info, "params": sum(p.numel() for p in model.parameters()), "init": args.init,
                     args.stage: {"role": args.role, **summary, "config": asdict(tcfg), "seed": seed,
                                  "examples": args.examples}}
-            _write_json(out / "memopd_model.json", info)
+            write_json(out / "memopd_model.json", info)
             run.log_dict(summary, "summary.json")
             run.log_metrics({"train_seconds": summary["train_seconds"]}, summary["steps"])
             run.write_ref(out)  # the model's evaluations (sft eval, eval) become child runs of this one
@@ -164,18 +187,20 @@ def cmd_sft_train(args, cfg):
 
 
 def cmd_sft_eval(args, cfg):
+    from memopd.dist import setup_distributed
     from memopd.models import load_model
     from memopd.records import load_episodes
     from memopd.sft.data import split_heldout
-    from memopd.sft.trainer import TrainConfig, evaluate, setup_distributed
+    from memopd.sft.trainer import evaluate
     from memopd.tracking import run_ref
 
+    tcfg = train_config(cfg, args.role)
+    existing(args.examples, args.model)
     _threads(args)
     device = setup_distributed()
-    tcfg = TrainConfig.from_section(cfg, args.role)
     _, heldout = split_heldout(load_episodes(args.examples), tcfg.eval_fraction, args.seed)
     if not heldout:
-        raise SystemExit("no held-out examples (eval_fraction is 0 or too small for the data)")
+        raise UsageError("no held-out examples (sft.eval_fraction is 0 or too small for the data)")
     model = load_model(args.model, dtype="float32", device=str(device))
     run_cfg = {"sft": cfg, "role": args.role, "seed": args.seed, "examples": args.examples, "model": args.model}
     with _tracked(args, f"sft_eval_{args.name}", run_cfg, "sft_eval", args.name, parent=run_ref(args.model),
@@ -187,24 +212,23 @@ def cmd_sft_eval(args, cfg):
                   "heldout_examples": ev["examples"], "config": run_cfg}
         run.log_metrics({"eval/heldout_target_loss": ev["target_loss"]}, 0)  # as the SFT run's heldout_target_loss curve
         run.log_dict(result, "eval.json")
-    _write_json(args.out, result)
+    write_json(args.out, result)
     print(f"{args.name}: held-out target loss {ev['target_loss']:.4f} over {ev['target_tokens']} tokens -> {args.out}")
 
 
 def cmd_bench_sft(args, cfg):
-    from memopd.report.tables import write_csv as _write_csv
-    from memopd.synthetic import token_pool as _token_pool
-    from memopd.models import load_model
-    from memopd.sft.bench import SHAPES, bench_sft, synthetic_examples
-    from memopd.sft.trainer import TrainConfig
-
     import torch
 
+    from memopd.models import load_model
+    from memopd.sft.bench import SHAPES, bench_sft, synthetic_examples
+    from memopd.synthetic import token_pool
+
+    tcfg = train_config(cfg, "student")
+    existing(args.model, args.data_dir)
     _threads(args)
-    tcfg = TrainConfig.from_section(cfg, "student")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(args.model, dtype="float32", device=device)
-    examples = synthetic_examples(_token_pool(args.model, args.data_dir), args.examples, args.seed)
+    examples = synthetic_examples(token_pool(args.model, args.data_dir), args.examples, args.seed)
     run_cfg = {"sft": cfg, "seed": args.seed, "model": args.model, "examples": args.examples, "shapes": SHAPES,
                "max_bins": args.max_bins, "device": device}
     with _tracked(args, "bench_sft", run_cfg, "bench_sft", Path(args.model).name,
@@ -217,14 +241,12 @@ def cmd_bench_sft(args, cfg):
                   f"{r['seconds']:.1f} s  first loss {r['first_loss']:.5f}")
         print(f"(seq_len {tcfg.seq_len}, {len(examples)} synthetic turn examples, {device}, {rows[0]['threads']} threads)")
         if args.out:
-            _write_csv(args.out, rows)
+            write_csv(args.out, rows)
             run.log_artifact(args.out)
             print(f"wrote {args.out}")
 
 
-def register(sub, add, bench, sft) -> None:
-    """Add the subcommands to memopd's parser (`add(name, fn, help, parent)` adds --cfg and --seed)."""
-
+def register(cli) -> None:
     def tracked(sp):
         sp.add_argument("--tracking", help="JSON of the `tracking` config section (uri, experiment); omit: no MLflow")
         return sp
@@ -233,31 +255,41 @@ def register(sub, add, bench, sft) -> None:
         sp.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
         return sp
 
-    tr = sub.add_parser("tracking", help="MLflow store").add_subparsers(dest="tracking_command", required=True)
-    sp = add("init", cmd_tracking_init, "create the MLflow store and experiment once, before parallel jobs", tr)
-    sp.add_argument("--out", required=True, help="JSON record of the store")
+    sp = cli.add("sft trajectories", cmd_sft_trajectories, "teacher trajectories through the rollout loop: episodes + "
+                 "stats")
+    sp.add_argument("--benchmark", nargs="+", default=["results/benchmarks/q2_train.parquet"],
+                    help="benchmark parquet file(s) (default: the Q2 train set)")
+    sp.add_argument("--index", default="results/retrieval/index", help="retrieval index directory")
+    sp.add_argument("--tokenizer", required=True, help="the student's tokenizer (or model) directory: defines the ids")
+    sp.add_argument("--limit", type=int, help="first N tasks of each benchmark (overrides teacher.max_tasks)")
+    sp.add_argument("--out", default="results/sft/trajectories.parquet")
+    sp.add_argument("--stats", default="results/sft/trajectories_stats.json")
+    sp.add_argument("--server-log", help="log of the vLLM server the llm teacher starts (default: beside --stats)")
+    sp.add_argument("--shard", type=int, help="play only shard I of teacher.shards (a slice of the tasks, sampled as "
+                    "in the whole run; merge with `memopd sft merge-trajectories`); default: every task")
 
-    sp = tracked(add("examples", cmd_sft_examples, "kept trajectories -> de-duplicated turn-level examples", sft))
+    sp = tracked(cli.add("sft examples", cmd_sft_examples, "kept trajectories -> de-duplicated turn-level examples"))
     sp.add_argument("--episodes", required=True, help="trajectories (records parquet)")
     sp.add_argument("--teacher", required=True, help="name of the teacher that played them (stats column)")
     sp.add_argument("--out", required=True, help="examples (records parquet, one call per episode)")
     sp.add_argument("--stats", required=True, help="JSON stats")
     sp.add_argument("--table", help="CSV row: teacher, trajectories_generated, trajectories_kept, turn_examples")
 
-    sp = add("merge-trajectories", cmd_sft_merge_trajectories, "trajectory shards (sft trajectories --shard) -> "
-             "one file + stats", sft)
+    sp = cli.add("sft merge-trajectories", cmd_sft_merge_trajectories, "trajectory shards (sft trajectories --shard) "
+                 "-> one file + stats")
     sp.add_argument("--shards", nargs="+", required=True, help="shard files (records parquet), in shard order")
     sp.add_argument("--shard-stats", nargs="+", required=True, help="their stats JSON, in the same order")
     sp.add_argument("--out", required=True, help="all episodes, in task order (records parquet)")
     sp.add_argument("--stats", required=True, help="JSON stats of all episodes")
 
-    sp = add("lm-data", cmd_sft_lm_data, "corpus passages (+ copy curriculum) -> LM pre-training examples", sft)
+    sp = cli.add("sft lm-data", cmd_sft_lm_data, "corpus passages (+ copy curriculum) -> LM pre-training examples")
     sp.add_argument("--corpus", required=True, help="corpus parquet (memopd retrieval corpus)")
     sp.add_argument("--tokenizer", required=True, help="tokenizer directory")
     sp.add_argument("--out", required=True, help="examples (records parquet)")
     sp.add_argument("--stats", required=True, help="JSON stats")
 
-    sp = threads(tracked(add("train", cmd_sft_train, "SFT of the student or teacher (resumes from its checkpoint)", sft)))
+    sp = threads(tracked(cli.add("sft train", cmd_sft_train, "SFT of the student or teacher (resumes from its "
+                                 "checkpoint)")))
     sp.add_argument("--role", required=True, choices=["student", "teacher"])
     sp.add_argument("--stage", default="sft", choices=["sft", "pretrain"],
                     help="pretrain: LM pre-training with the sft.pretrain budgets (examples from `sft lm-data`)")
@@ -265,14 +297,14 @@ def register(sub, add, bench, sft) -> None:
     sp.add_argument("--init", required=True, help="initial model directory")
     sp.add_argument("--out", required=True, help="output model directory (checkpoints in OUT/checkpoint)")
 
-    sp = threads(tracked(add("eval", cmd_sft_eval, "held-out target loss of a model", sft)))
+    sp = threads(tracked(cli.add("sft eval", cmd_sft_eval, "held-out target loss of a model")))
     sp.add_argument("--role", required=True, choices=["student", "teacher"], help="whose batch settings to use")
     sp.add_argument("--name", required=True, help="model name in the results (student_init, student_sft, ...)")
     sp.add_argument("--model", required=True)
     sp.add_argument("--examples", required=True)
     sp.add_argument("--out", required=True, help="JSON result")
 
-    sp = threads(tracked(add("sft", cmd_bench_sft, "packed vs padded SFT tokens/s, side by side", bench)))
+    sp = threads(tracked(cli.add("bench sft", cmd_bench_sft, "packed vs padded SFT tokens/s, side by side")))
     sp.add_argument("--model", required=True, help="model directory (e.g. the tiny student's init)")
     sp.add_argument("--data-dir", default="data", help="token pool: real text through the model's tokenizer")
     sp.add_argument("--examples", type=int, default=2000, help="synthetic turn examples")

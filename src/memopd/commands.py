@@ -1,0 +1,111 @@
+"""The commands of the top-level modules: `memopd tokenizer`, `model init`, `model base` (models), `rce` (rce)
+and `tracking init` (tracking)."""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+from memopd.inputs import UsageError, existing, require
+from memopd.report.tables import write_csv, write_json
+
+RCE_KEYS = ("dtype", "backends", "episodes", "calls", "prefix_tokens", "observation_tokens", "response_tokens")
+
+
+def cmd_tokenizer(args, cfg):
+    from memopd.data import corpus_texts
+    from memopd.models import train_tokenizer
+
+    require(cfg, "vocab_size")
+    existing(args.data_dir)
+    tok = train_tokenizer(corpus_texts(args.data_dir), cfg["vocab_size"], args.out, cfg.get("min_frequency", 2))
+    write_json(Path(args.out) / "memopd_tokenizer.json", {"config": cfg, "data_dir": args.data_dir, "size": len(tok)})
+    print(f"tokenizer: {len(tok)} tokens -> {args.out}")
+
+
+def cmd_model_init(args, cfg):
+    from memopd.models import TINY_KEYS, init_model
+
+    if "pretrained" not in cfg:  # a tiny model: its sizes from the config, its ids from the trained tokenizer
+        require(cfg, *TINY_KEYS)
+        if args.tokenizer is None:
+            raise UsageError("a tiny model (no 'pretrained' in the config) needs --tokenizer")
+        existing(args.tokenizer)
+    info = init_model(cfg, args.out, seed=args.seed, tokenizer_path=args.tokenizer, offline=not args.online)
+    print(f"model: {info['architecture']} with {info['params']:,} parameters -> {args.out}")
+
+
+def cmd_model_base(args, cfg):
+    from memopd.models import BASE_KEYS, packaged_model
+
+    require(cfg, *BASE_KEYS)
+    info = packaged_model(cfg, args.out)
+    print(f"base model: {info['architecture']} with {info['params']:,} parameters from {cfg['package']}=="
+          f"{cfg['version']} ({cfg['file']}, sha256 checked) -> {args.out}")
+
+
+def cmd_rce(args, cfg):
+    import torch
+
+    from memopd.models import default_device, load_model
+    from memopd.rce import rce_report, report_rows
+    from memopd.synthetic import RULES, random_episode, token_pool
+
+    require(cfg, *RCE_KEYS)
+    existing(args.model, args.data_dir)
+    torch.manual_seed(args.seed)
+    model = load_model(args.model, dtype=cfg["dtype"], device=args.device or default_device())
+    pool = token_pool(args.model, args.data_dir)
+    rng = random.Random(args.seed)
+    rules = cfg.get("rules", list(RULES))
+    episodes = [
+        random_episode(rng, pool, rules[i % len(rules)], cfg["calls"], cfg["prefix_tokens"],
+                       tuple(cfg["observation_tokens"]), tuple(cfg["response_tokens"]), task_id=f"smoke{i}-{rules[i % len(rules)]}")
+        for i in range(cfg["episodes"])
+    ]
+    report = rce_report(model, episodes, cfg["backends"], dtype=cfg["dtype"], tolerance=cfg.get("tolerance"))
+    report["config"] = {**cfg, "seed": args.seed, "model": args.model}
+    write_json(args.out, report)
+    write_csv(Path(args.out).with_suffix(".csv"), report_rows(report))
+    tols = (f"{report['dtype']} tolerances: max |d log p| <= {report['tolerance_dlogp']:g}, "
+            f"max |d logit| <= {report['tolerance_dlogit']:g}")
+    print(tols)
+    for name, r in report["backends"].items():
+        print(f"{name:14s} max|dlogp| {r['max_abs_dlogp']:.2e}  p99 {r['p99_abs_dlogp']:.2e}  "
+              f"max|dlogit| {r['max_abs_dlogit']:.2e}  top1 {r['top1_agreement']:.3f}  "
+              f"tokens {r['action_tokens']}  {'PASS' if r['passed'] else 'FAIL on ' + ', '.join(r['failed_on'])}")
+    if not report["passed"] and args.strict:
+        sys.exit(f"RCE failed ({tols}); report in {args.out}")
+
+
+def cmd_tracking_init(args, cfg):
+    from memopd.tracking import init_store, resolve_uri
+
+    require(cfg, "uri", "experiment")
+    info = init_store(resolve_uri(cfg["uri"]), cfg["experiment"])
+    write_json(args.out, {**info, "config": cfg})
+    print(f"tracking store {info['tracking_uri']}: experiment {info['experiment']!r} (id {info['experiment_id']}); "
+          f"in `mlflow ui`: http://127.0.0.1:5000/{info['ui_path']}")
+
+
+def register(cli) -> None:
+    sp = cli.add("tokenizer", cmd_tokenizer, "train the offline byte-level BPE tokenizer on data/")
+    sp.add_argument("--data-dir", default="data")
+    sp.add_argument("--out", required=True)
+
+    sp = cli.add("model init", cmd_model_init, "create a model directory (tiny from config, or pretrained by name)")
+    sp.add_argument("--tokenizer", help="tokenizer directory (tiny models)")
+    sp.add_argument("--online", action="store_true", help="allow downloads from the hub (paper scale)")
+    sp.add_argument("--out", required=True)
+    sp = cli.add("model base", cmd_model_base, "de-quantise the packaged base model (--cfg: config models.base) once")
+    sp.add_argument("--out", required=True)
+
+    sp = cli.add("rce", cmd_rce, "RCE smoke report: packed vs independent calls, every backend")
+    sp.add_argument("--model", required=True)
+    sp.add_argument("--data-dir", default="data")
+    sp.add_argument("--out", required=True, help="JSON report (a CSV is written beside it)")
+    sp.add_argument("--strict", action="store_true", help="exit non-zero when any backend fails")
+    sp.add_argument("--device", help="torch device of the model (default: the job's GPU if it has one, else cpu)")
+
+    sp = cli.add("tracking init", cmd_tracking_init, "create the MLflow store and experiment once, before parallel jobs")
+    sp.add_argument("--out", required=True, help="JSON record of the store")

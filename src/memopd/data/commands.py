@@ -1,0 +1,30 @@
+"""`memopd benchmarks` (compose the Q_n and Wiki-RAG tasks, config section `benchmarks`) and `memopd fetch`
+(one data file from the hub, paper scale)."""
+from __future__ import annotations
+
+from memopd.inputs import require
+
+
+def cmd_benchmarks(args, cfg):
+    from memopd.data.steps import build_benchmarks
+
+    build_benchmarks(cfg, args.data_dir, args.seed, args.out_dir, args.stats)
+
+
+def cmd_fetch(args, cfg):
+    from memopd.data.hub import fetch_file
+
+    require(cfg, "repo", "file")
+    fetch_file(cfg["repo"], cfg["file"], args.out, repo_type=cfg.get("repo_type", "dataset"),
+               revision=cfg.get("revision"))
+    print(f"fetched {cfg['repo']}/{cfg['file']} -> {args.out}")
+
+
+def register(cli) -> None:
+    sp = cli.add("fetch", cmd_fetch, "download a data file from the hub (paper scale; --cfg {repo, file, ...})")
+    sp.add_argument("--out", required=True)
+
+    sp = cli.add("benchmarks", cmd_benchmarks, "compose Q_n and Wiki-RAG tasks (config section `benchmarks`)")
+    sp.add_argument("--data-dir", default="data")
+    sp.add_argument("--out-dir", default="results/benchmarks", help="one {benchmark}_{split}.parquet per task set")
+    sp.add_argument("--stats", default="results/tables/benchmark_stats.csv")
