@@ -123,6 +123,20 @@ def test_a_finished_run_deletes_its_checkpoint_unless_kept(setup, tmp_path):
         assert yaml.safe_load((ROOT / "config" / name).read_text())["train"]["keep_checkpoint"] is False
 
 
+def test_a_finished_run_with_a_kept_checkpoint_reruns_to_a_no_op(setup, tmp_path):
+    """keep_checkpoint: true keeps checkpoint/ at the last step; running the same run again (a rerun of the job)
+    resumes at train.steps and trains nothing: the policy and every step's metrics stay as they were."""
+    d, cfg = setup
+    kept = {**cfg, "train": {**cfg["train"], "steps": 2, "keep_checkpoint": True}}
+    _run((d, kept), tmp_path / "run")
+    assert (tmp_path / "run/checkpoint/state.pt").exists()
+    model, metrics = tmp_path / "run/model/model.safetensors", tmp_path / "run/metrics.jsonl"
+    before = (load_file(model), metrics.read_text())
+    assert _run((d, kept), tmp_path / "run") == []
+    after = load_file(model)
+    assert all(torch.equal(before[0][k], after[k]) for k in after) and metrics.read_text() == before[1]
+
+
 def test_the_data_order_is_the_same_for_every_method():
     assert task_order(10, 4, 3, seed=5) == task_order(10, 4, 3, seed=5)
     assert task_order(10, 4, 3, seed=5) != task_order(10, 4, 3, seed=6)
