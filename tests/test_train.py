@@ -206,3 +206,29 @@ def test_fsdp_bf16_first_ratio_is_exactly_one(tmp_path):
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["ppo/first_ratio_err"] == 0.0 and m["reward/kl_ref"] == 0.0
     assert m["rce/max_abs_dlogp"] <= 5e-2
+
+
+def test_the_engine_wakes_up_after_the_allocators_cache_is_freed(monkeypatch):
+    """Sleep mode: the update's peak stays reserved by PyTorch's caching allocator until empty_cache(); vLLM's
+    wake-up allocates through the driver, so the cache must be emptied first, then the weights loaded."""
+    from types import SimpleNamespace
+
+    from memopd.train.weight_sync import WeightSync
+
+    calls = []
+    model = SimpleNamespace(load_weights=lambda weights: calls.append(("load_weights", len(list(weights)))))
+    runner = SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(
+        model=model))))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_executor=runner),
+                          sleep=lambda level: calls.append(("sleep", level)), wake_up=lambda: calls.append("wake_up"),
+                          reset_prefix_cache=lambda: calls.append("reset_prefix_cache"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no GPU here: the engine and the allocator are fakes
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    policy = torch.nn.Linear(2, 2)
+    sync = WeightSync(llm, sleep=True)
+    sync.sync(policy)  # awake: no wake-up, no cache to free
+    sync.release()
+    sync.sync(policy)
+    assert calls == [("load_weights", 2), "reset_prefix_cache", ("sleep", 1),
+                     "empty_cache", "wake_up", ("load_weights", 2), "reset_prefix_cache"]

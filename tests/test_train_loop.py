@@ -462,3 +462,19 @@ def test_activation_checkpointing_is_not_part_of_a_runs_identity():
     on = {**cfg, "train": {**cfg["train"], "activation_checkpointing": True}}
     assert run_identity(cfg, "memopd", 0) == run_identity(on, "memopd", 0)
     assert run_identity(cfg, "memopd", 0) != run_identity({**cfg, "train": {"lr_actor": 2e-5}}, "memopd", 0)
+
+
+def test_memory_settings_are_not_part_of_a_runs_identity():
+    """The natural fix of an out-of-memory step (a smaller vLLM share, a smaller chunk of logit rows) keeps the
+    checkpoint usable; a change of what the update computes (the PPO clip) does not."""
+    from memopd.train.loop import run_identity
+
+    train = {"lr_actor": 1e-6, "vllm": {"gpu_memory_utilization": 0.3, "sleep": True},
+             "ppo": {"clip": 0.2, "chunk_size": 512}}
+    cfg = {"train": train, "agent": {}, "rollout": {}}
+    smaller = {**cfg, "train": {**train, "vllm": {"gpu_memory_utilization": 0.2, "sleep": True},
+                                "ppo": {"clip": 0.2, "chunk_size": 128}}}
+    assert run_identity(cfg, "memopd", 0) == run_identity(smaller, "memopd", 0)
+    clipped = {**cfg, "train": {**train, "ppo": {"clip": 0.1, "chunk_size": 512}}}
+    assert run_identity(cfg, "memopd", 0) != run_identity(clipped, "memopd", 0)
+    assert cfg["train"]["ppo"] == {"clip": 0.2, "chunk_size": 512}  # the config itself is left as it was

@@ -52,9 +52,25 @@ from memopd.train.config import RunConfig
 from memopd.train.ppo import ValueModel, ppo_update
 from memopd.vocab import check_model_dirs
 
-# Config keys that do not change what a step computes, so not part of a run's identity: the data order of
-# the first steps does not depend on train.steps (`task_order`), so a finished run can be extended.
-NOT_IDENTITY = ("steps", "checkpoint_every", "keep_checkpoint", "activation_checkpointing")
+# train.* keys (dotted) that do not change what a step computes, so not part of a run's identity: the data order
+# of the first steps does not depend on train.steps (`task_order`), so a finished run can be extended; the vLLM
+# engine's settings (its GPU share, sleep mode) and the loss's chunk of logit rows change memory, not the
+# result (per-row log-softmax; chunk sums differ in float rounding only), so a resumed run may lower them
+# after running out of memory.
+NOT_IDENTITY = ("steps", "checkpoint_every", "keep_checkpoint", "activation_checkpointing", "vllm",
+                "ppo.chunk_size")
+
+
+def _without(section: dict, paths) -> dict:
+    """`section` less the dotted `paths` (missing ones ignored)."""
+    out = dict(section)
+    for path in paths:
+        head, _, rest = path.partition(".")
+        if rest and isinstance(out.get(head), dict):
+            out[head] = _without(out[head], [rest])
+        elif not rest:
+            out.pop(head, None)
+    return out
 
 
 class ResumeMismatch(RuntimeError):
@@ -114,7 +130,7 @@ def file_identity(path: str | Path | None) -> dict | None:
 def run_identity(cfg: dict, method: str, seed: int, **inputs) -> dict:
     """What a checkpoint must match to be resumed: the config sections the run reads (less NOT_IDENTITY),
     method, seed and every input (`inputs`: name -> file or directory, or None), as JSON values."""
-    train = {k: v for k, v in cfg["train"].items() if k not in NOT_IDENTITY}
+    train = _without(cfg["train"], NOT_IDENTITY)
     identity = {"config": {**cfg, "train": train}, "method": method, "seed": seed,
                 **{name: file_identity(path) for name, path in inputs.items()}}
     return json.loads(json.dumps(identity, sort_keys=True, default=str))

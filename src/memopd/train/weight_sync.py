@@ -77,6 +77,17 @@ def policy_weights(policy) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, full_tensor(t.detach())
 
 
+def free_cached_memory() -> None:
+    """Give the memory PyTorch's caching allocator still reserves (the scoring and update peak, freed but kept
+    for reuse) back to the driver: vLLM's wake-up allocates its share through the driver, outside that cache,
+    so without this the engine's share does not fit after the first update."""
+    import gc
+
+    gc.collect()  # tensors of the update still referenced only by reference cycles
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class WeightSync:
     """Copies the trainer's policy into a colocated vLLM engine; `sync` returns the seconds it took."""
 
@@ -86,6 +97,7 @@ class WeightSync:
     def sync(self, policy) -> float:
         t0 = time.perf_counter()
         if self.asleep:
+            free_cached_memory()  # before the engine takes its share back
             self.llm.wake_up()
             self.asleep = False
         engine_model(self.llm).load_weights(weights=policy_weights(policy))
