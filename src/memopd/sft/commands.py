@@ -144,7 +144,7 @@ def cmd_sft_train(args, cfg):
     tcfg = train_config(cfg, args.role, args.stage)
     existing(args.examples, args.init)
     _threads(args)
-    device = setup_distributed()
+    device = setup_distributed(tcfg.dist_timeout_min)
     rank, world, _ = dist_info()
     train_ex, heldout = split_heldout(load_episodes(args.examples), tcfg.eval_fraction, args.seed)
     model = load_model(args.init, dtype="float32", device=str(device))  # fp32 master weights
@@ -197,7 +197,7 @@ def cmd_sft_eval(args, cfg):
     tcfg = train_config(cfg, args.role)
     existing(args.examples, args.model)
     _threads(args)
-    device = setup_distributed()
+    device = setup_distributed(tcfg.dist_timeout_min)
     _, heldout = split_heldout(load_episodes(args.examples), tcfg.eval_fraction, args.seed)
     if not heldout:
         raise UsageError("no held-out examples (sft.eval_fraction is 0 or too small for the data)")

@@ -51,7 +51,7 @@ from memopd.checkpoint import (
     set_rng_state,
     write_checkpoint_dir,
 )
-from memopd.dist import dist_info
+from memopd.dist import TIMEOUT_MIN, dist_info
 from memopd.packing import PackingLimitError
 from memopd.records import Episode
 from memopd.sft.data import StepPlan, bin_pack, example_len, target_len
@@ -105,6 +105,7 @@ class TrainConfig:
     seed: int | None = None  # data order and RNG of this stage (None: the run's seed; the held-out split never changes)
     shard: str = "none"  # none (a replica per rank, DDP) | fsdp (FSDP2 shards over the ranks)
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward
+    dist_timeout_min: float = TIMEOUT_MIN  # how long a rank waits in a collective (rank 0 writing a checkpoint)
 
     @classmethod
     def from_section(cls, section: dict, role: str | None = None) -> "TrainConfig":

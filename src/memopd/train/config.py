@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields
 
+from memopd.dist import TIMEOUT_MIN
 from memopd.parallel import SHARDING, check_backend
 from memopd.train.ppo import PPOConfig
 
@@ -30,6 +31,7 @@ class RunConfig:
     shard: str = "none"  # none (a replica per rank) | fsdp (FSDP2 shards of policy, critic, reference)
     activation_checkpointing: bool = False  # recompute every decoder layer of policy and critic in the backward
     vllm: dict = field(default_factory=dict)  # the colocated rollout engine (weight_sync.colocated_llm)
+    dist_timeout_min: float = TIMEOUT_MIN  # how long a rank waits in a collective (rank 0 writing a checkpoint)
 
     def __post_init__(self):
         if self.shard not in SHARDING:

@@ -225,7 +225,7 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     out = Path(out_dir)
     ckpt, metrics_path = out / "checkpoint", out / "metrics.jsonl"
     identity, resume = preflight(cfg, run, method, seed, student_dir, teacher_dir, tasks_path, index_dir, ckpt)
-    device = setup_distributed()
+    device = setup_distributed(run.dist_timeout_min)
     rank, world, _ = dist_info()
     if run.batch_tasks < world:
         raise ValueError(f"train.batch_tasks {run.batch_tasks} < {world} ranks: some rank would get no episode")

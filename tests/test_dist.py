@@ -1,0 +1,42 @@
+"""memopd.dist on two gloo ranks: the process group waits as long as the config says (rank 0 writing a checkpoint
+while the others wait in a barrier must not abort them at torch's default of 10 minutes)."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+
+
+def _rank(rank: int, port: int, minutes: float, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from memopd.dist import setup_distributed
+
+    setup_distributed(minutes)
+    backend = tdist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(str(backend.options._timeout.total_seconds()))
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+def test_the_process_group_timeout_comes_from_the_config(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(port, 7.5, str(tmp_path / "timeout")), nprocs=2, join=True)
+    assert [float((tmp_path / f"timeout.{r}").read_text()) for r in (0, 1)] == [450.0, 450.0]
+
+
+def test_the_default_timeout_is_the_schemas():
+    import yaml
+
+    from memopd.dist import TIMEOUT_MIN
+
+    schema = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "../workflow/schemas/config.schema.yaml")))
+    sections = schema["properties"]
+    assert sections["train"]["properties"]["dist_timeout_min"]["default"] == TIMEOUT_MIN
+    assert sections["sft"]["properties"]["dist_timeout_min"]["default"] == TIMEOUT_MIN
