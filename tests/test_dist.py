@@ -40,3 +40,22 @@ def test_the_default_timeout_is_the_schemas():
     sections = schema["properties"]
     assert sections["train"]["properties"]["dist_timeout_min"]["default"] == TIMEOUT_MIN
     assert sections["sft"]["properties"]["dist_timeout_min"]["default"] == TIMEOUT_MIN
+
+
+def test_each_rank_of_a_node_takes_its_share_of_the_jobs_threads(monkeypatch):
+    from memopd.dist import rank_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        rank_threads(32)
+        assert torch.get_num_threads() == 8
+        rank_threads(2)
+        assert torch.get_num_threads() == 1
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        rank_threads(2)
+        assert torch.get_num_threads() == 2
+        rank_threads(0)  # 0: left as it is
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

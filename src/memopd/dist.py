@@ -38,6 +38,14 @@ def setup_distributed(timeout_min: float = TIMEOUT_MIN) -> torch.device:
     return device
 
 
+def rank_threads(threads: int | None) -> None:
+    """Give this rank its share of the job's `threads` CPUs (0 or None: torch's default). Snakemake exports
+    OMP_NUM_THREADS = the job's threads and torchrun keeps it, so without this every rank of a node would run
+    that many threads on the same CPUs."""
+    if threads:
+        torch.set_num_threads(max(1, threads // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+
+
 def world_size() -> int:
     """Ranks of the initialised process group (1 without one)."""
     return tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1

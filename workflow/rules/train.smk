@@ -45,7 +45,8 @@ rule train:
     shell:
         "{params.launch} train --cfg {params.cfg:q} --method {wildcards.method} --seed {wildcards.seed} "
         "--student {params.student} {params.teacher} --tasks {input.tasks} --index {input.index} "
-        "--out-dir {params.run_dir} --export {params.export} --tracking {params.tracking:q} > {log} 2>&1"
+        "--out-dir {params.run_dir} --export {params.export} --tracking {params.tracking:q} --threads {threads} "
+        "> {log} 2>&1"
 
 
 rule results_tables:

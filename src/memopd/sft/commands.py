@@ -28,16 +28,6 @@ def _tracked(args, run_name: str, config: dict, stage: str, model: str, enabled:
         yield run
 
 
-def _threads(args):
-    """--threads is the job's CPU count: under torchrun each of the node's ranks takes its share."""
-    import os
-
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(max(1, args.threads // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-
-
 def train_config(cfg: dict, role: str | None, stage: str = "sft"):
     """The TrainConfig of a role from the `sft` section; a ConfigError says what the section lacks."""
     from memopd.sft.trainer import TrainConfig, stage_section
@@ -135,7 +125,7 @@ def cmd_sft_lm_data(args, cfg):
 def cmd_sft_train(args, cfg):
     import torch
 
-    from memopd.dist import dist_info, setup_distributed
+    from memopd.dist import dist_info, rank_threads, setup_distributed
     from memopd.models import load_model, load_tokenizer
     from memopd.records import load_episodes
     from memopd.sft.data import split_heldout
@@ -143,7 +133,7 @@ def cmd_sft_train(args, cfg):
 
     tcfg = train_config(cfg, args.role, args.stage)
     existing(args.examples, args.init)
-    _threads(args)
+    rank_threads(args.threads)
     device = setup_distributed(tcfg.dist_timeout_min)
     rank, world, _ = dist_info()
     train_ex, heldout = split_heldout(load_episodes(args.examples), tcfg.eval_fraction, args.seed)
@@ -187,7 +177,7 @@ def cmd_sft_train(args, cfg):
 
 
 def cmd_sft_eval(args, cfg):
-    from memopd.dist import setup_distributed
+    from memopd.dist import rank_threads, setup_distributed
     from memopd.models import load_model
     from memopd.records import load_episodes
     from memopd.sft.data import split_heldout
@@ -196,7 +186,7 @@ def cmd_sft_eval(args, cfg):
 
     tcfg = train_config(cfg, args.role)
     existing(args.examples, args.model)
-    _threads(args)
+    rank_threads(args.threads)
     device = setup_distributed(tcfg.dist_timeout_min)
     _, heldout = split_heldout(load_episodes(args.examples), tcfg.eval_fraction, args.seed)
     if not heldout:
@@ -219,13 +209,14 @@ def cmd_sft_eval(args, cfg):
 def cmd_bench_sft(args, cfg):
     import torch
 
+    from memopd.dist import rank_threads
     from memopd.models import load_model
     from memopd.sft.bench import SHAPES, bench_sft, synthetic_examples
     from memopd.synthetic import token_pool
 
     tcfg = train_config(cfg, "student")
     existing(args.model, args.data_dir)
-    _threads(args)
+    rank_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(args.model, dtype="float32", device=device)
     examples = synthetic_examples(token_pool(args.model, args.data_dir), args.examples, args.seed)

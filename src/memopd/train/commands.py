@@ -13,7 +13,7 @@ def cmd_train(args, cfg):
     from contextlib import nullcontext
 
     from memopd.agent.evaluate import agent_config
-    from memopd.dist import dist_info
+    from memopd.dist import dist_info, rank_threads
     from memopd.tracking import NullRun, tracked
     from memopd.train.loop import train_run
 
@@ -22,6 +22,7 @@ def cmd_train(args, cfg):
     if args.method != "ppo" and args.teacher is None:
         raise UsageError(f"method {args.method!r} needs --teacher")
     existing(args.student, args.teacher, args.tasks, args.index)
+    rank_threads(args.threads)
     rank, world, _ = dist_info()  # under torchrun: rank 0 tracks, exports and reports
     run_name = f"train-{args.method}-seed{args.seed}"
     with (tracked(args.tracking, run_name, cfg, stage="train", model=f"{args.method}_seed{args.seed}", seed=args.seed,
@@ -61,3 +62,5 @@ def register(cli) -> None:
     sp.add_argument("--export", help="also copy the final policy here (a model directory)")
     sp.add_argument("--stop-after", type=int, help="stop after N steps of this invocation (resume tests)")
     sp.add_argument("--tracking", help="JSON of the `tracking` config section (uri, experiment); omit: no MLflow")
+    sp.add_argument("--threads", type=int, default=0, help="the job's CPU threads, shared by the node's ranks "
+                    "(0: torch's default)")
