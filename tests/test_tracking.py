@@ -148,8 +148,20 @@ def test_a_loopback_server_is_refused_inside_a_slurm_job(monkeypatch, uri):
         resolve_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://login01.cluster:5000")
     assert resolve_uri() == "http://login01.cluster:5000"
-    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+
+
+def test_a_sqlite_store_is_refused_inside_a_slurm_job_unless_allowed(monkeypatch):
+    """Concurrent jobs on many nodes writing one SQLite file over a shared file system lose runs: inside a SLURM job
+    a sqlite URI is refused, naming the fix, unless the config allows it; outside SLURM it is the default store."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert resolve_uri("sqlite:///results/mlflow.db") == "sqlite:///results/mlflow.db"
+    monkeypatch.setenv("SLURM_JOB_ID", "17")
+    with pytest.raises(ValueError, match="cannot share a SQLite store.*MLFLOW_TRACKING_URI"):
+        resolve_uri("sqlite:///results/mlflow.db")
+    assert resolve_uri("sqlite:///results/mlflow.db", sqlite_in_slurm_jobs=True) == "sqlite:///results/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://login01.cluster:5000")
+    assert resolve_uri("sqlite:///results/mlflow.db") == "http://login01.cluster:5000"
 
 
 N_WRITERS, STEPS, PARAMS = 4, 150, 30

@@ -82,7 +82,7 @@ def cmd_tracking_init(args, cfg):
     from memopd.tracking import init_store, resolve_uri
 
     require(cfg, "uri", "experiment")
-    info = init_store(resolve_uri(cfg["uri"]), cfg["experiment"])
+    info = init_store(resolve_uri(cfg["uri"], cfg.get("sqlite_in_slurm_jobs", False)), cfg["experiment"])
     write_json(args.out, {**info, "config": cfg})
     print(f"tracking store {info['tracking_uri']}: experiment {info['experiment']!r} (id {info['experiment_id']}); "
           f"in `mlflow ui`: http://127.0.0.1:5000/{info['ui_path']}")

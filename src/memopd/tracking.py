@@ -50,10 +50,12 @@ RUN_FILE = "mlflow_run.json"  # written into a model / run directory by the job 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 
 
-def resolve_uri(configured: str = DEFAULT_URI) -> str:
+def resolve_uri(configured: str = DEFAULT_URI, sqlite_in_slurm_jobs: bool = False) -> str:
     """MLFLOW_TRACKING_URI when it is set (unchanged), else the configured URI. Inside a SLURM job a server URI on
     the loopback address is refused: it names the compute node itself, where no server runs (a login-node
-    server exported as http://127.0.0.1:5000 would receive nothing; docs/tracking.md "On a SLURM cluster")."""
+    server exported as http://127.0.0.1:5000 would receive nothing; docs/tracking.md "On a SLURM cluster").
+    So is a SQLite store unless the config allows it (`tracking.sqlite_in_slurm_jobs`): many jobs on many
+    nodes writing one SQLite file over NFS or Lustre lose runs to unreliable locking."""
     from urllib.parse import urlsplit
 
     uri = os.environ.get("MLFLOW_TRACKING_URI") or configured
@@ -63,6 +65,12 @@ def resolve_uri(configured: str = DEFAULT_URI) -> str:
                          "node, not at the login node's server: start `mlflow server --host $(hostname -f)` and "
                          "export MLFLOW_TRACKING_URI=http://<that host>:5000 before submitting "
                          "(docs/tracking.md \"On a SLURM cluster\")")
+    if uri.startswith("sqlite:") and os.environ.get("SLURM_JOB_ID") and not sqlite_in_slurm_jobs:
+        raise ValueError(f"tracking URI {uri} inside SLURM job {os.environ['SLURM_JOB_ID']}: concurrent jobs on a "
+                         "shared file system cannot share a SQLite store; start `mlflow server` on the login node "
+                         "and export MLFLOW_TRACKING_URI before submitting "
+                         "(docs/tracking.md \"On a SLURM cluster\"), "
+                         "or set tracking.sqlite_in_slurm_jobs: true if the store is on a local disk")
     return uri
 
 
@@ -329,7 +337,7 @@ def tracked(tracking_json: str | None, run_name: str, config: dict, stage: str, 
         yield NullRun()
         return
     t = json.loads(tracking_json)
-    uri = resolve_uri(t["uri"])
+    uri = resolve_uri(t["uri"], t.get("sqlite_in_slurm_jobs", False))
     with start_run(uri, t["experiment"], run_name, config, stage=stage, model=model, seed=seed, tags=tags,
                    parent=parent) as run:
         print(f"tracking: run {run.run_id} in {uri} (experiment {t['experiment']})")
