@@ -79,6 +79,15 @@ def test_prefetch_downloads_each_pinned_snapshot_and_writes_the_manifest(tmp_pat
         return str(snap)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    import hashlib
+
+    import memopd.prefetch
+
+    served = tmp_path / "encodings"  # no network here: the encodings' server is a directory
+    served.mkdir()
+    (served / "o200k_base.tiktoken").write_bytes(b"YQ== 0\n")
+    monkeypatch.setattr(memopd.prefetch, "ENCODINGS_URL", served.as_uri() + "/")
+    monkeypatch.setattr(memopd.prefetch, "ENCODINGS", {"o200k_base.tiktoken": hashlib.sha256(b"YQ== 0\n").hexdigest()})
     home = tmp_path / "hf_home"
     cfg = {**copy.deepcopy(PAPER), "hub": {**PAPER["hub"], "home": str(home)}}
     config = tmp_path / "paper.yaml"
@@ -87,6 +96,8 @@ def test_prefetch_downloads_each_pinned_snapshot_and_writes_the_manifest(tmp_pat
     cli.main(["prefetch", "--config", str(config), "--out", str(out)])  # by hand, as on a login node
 
     manifest = json.loads(out.read_text())
+    assert [e["file"] for e in manifest["encodings"]] == ["o200k_base.tiktoken"]
+    assert (home / "tiktoken/o200k_base.tiktoken").exists()
     entries = {(e["type"], e["repo"]): e for e in manifest["repos"]}
     assert set(entries) == HUB and len(calls) == len(HUB)
     for e in entries.values():
@@ -159,6 +170,10 @@ def test_paper_scale_prefetches_first_and_every_compute_job_runs_offline(tmp_pat
     assert len(commands) > 50
     for j in commands:
         assert "HF_HOME=data/hf_home HF_HUB_OFFLINE=1 " in j["shell"] and "--online" not in j["shell"], j
+        # gpt-oss's encodings from the prefetched cache; compile caches of the job's own, not a shared ~/.cache
+        assert "TIKTOKEN_ENCODINGS_BASE=data/hf_home/tiktoken " in j["shell"], j
+        for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+            assert re.search(var + r'="\$\{TMPDIR:-/tmp\}/memopd-cache-\$\$/\w+" ', j["shell"]), (var, j)
     # the steps that load a model or data set by name get its local snapshot directory instead
     text = "\n".join(j["shell"] for j in jobs if j["rule"] in HUB_STEPS)
     for kind, repo in HUB - {("dataset", "PeterJinGo/wiki-18-corpus")}:
@@ -175,3 +190,27 @@ def test_the_embedded_default_has_no_prefetch_and_no_hub_settings(tmp_path):
     jobs = _jobs(out)
     assert jobs and "prefetch" not in {j["rule"] for j in jobs}
     assert "HF_HUB_OFFLINE" not in out and "HF_HOME" not in out and "manifest.json" not in out
+
+
+def test_the_encodings_are_fetched_once_and_checked(tmp_path):
+    """gpt-oss's tiktoken encodings (not in its model repository) land in {home}/tiktoken with the sha256 tiktoken
+    expects; a file already there with that hash is not fetched again, and a download with another hash is refused
+    and removed."""
+    import hashlib
+
+    from memopd.prefetch import encodings_dir, fetch_encodings
+
+    src = tmp_path / "server"
+    src.mkdir()
+    (src / "a.tiktoken").write_bytes(b"YQ== 0\n")
+    good = {"a.tiktoken": hashlib.sha256(b"YQ== 0\n").hexdigest()}
+    entries = fetch_encodings(tmp_path / "home", src.as_uri() + "/", good)
+    assert (encodings_dir(tmp_path / "home") / "a.tiktoken").read_bytes() == b"YQ== 0\n"
+    assert entries == [{"file": "a.tiktoken", "sha256": good["a.tiktoken"], "bytes": 7,
+                        "path": str(tmp_path / "home/tiktoken/a.tiktoken")}]
+    (src / "a.tiktoken").unlink()  # nothing to download: the cached file has the expected hash
+    assert fetch_encodings(tmp_path / "home", src.as_uri() + "/", good) == entries
+    (src / "b.tiktoken").write_bytes(b"tampered")
+    with pytest.raises(RuntimeError, match="b.tiktoken: sha256 .* expected 00"):
+        fetch_encodings(tmp_path / "home", src.as_uri() + "/", {"b.tiktoken": "00" * 32})
+    assert not list(encodings_dir(tmp_path / "home").glob("b.tiktoken*"))

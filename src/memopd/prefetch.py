@@ -22,6 +22,12 @@ import json
 import re
 from pathlib import Path
 
+# vLLM's gpt-oss (the harmony format) loads tiktoken encodings from the internet when its server starts; they
+# are not in the model repository. Fetched here with the sha256 that tiktoken itself expects
+# (tiktoken_ext/openai_public.py), into {home}/tiktoken, which the jobs get as TIKTOKEN_ENCODINGS_BASE.
+ENCODINGS_URL = "https://openaipublic.blob.core.windows.net/encodings/"
+ENCODINGS = {"o200k_base.tiktoken": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+             "cl100k_base.tiktoken": "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"}
 COMMIT = re.compile(r"[0-9a-f]{40}")  # a full commit hash: a branch or tag can move, a short hash can collide
 HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # org/name; results/... and absolute paths are local
 
@@ -102,6 +108,45 @@ def localize(cfg: dict) -> dict:
     return out
 
 
+def encodings_dir(home: str | Path) -> Path:
+    """Where the jobs find the tiktoken encodings (TIKTOKEN_ENCODINGS_BASE)."""
+    return Path(home) / "tiktoken"
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch_encodings(home: str | Path, base_url: str | None = None, expected: dict[str, str] | None = None) -> list[dict]:
+    """Download each encoding file (default: ENCODINGS from ENCODINGS_URL) unless it is there with its sha256; a
+    download with another hash is refused (and removed). Returns one manifest entry per file."""
+    import urllib.request
+
+    base_url, expected = base_url or ENCODINGS_URL, expected or ENCODINGS
+    out_dir = encodings_dir(home)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for name, sha in expected.items():
+        path = out_dir / name
+        if not (path.is_file() and _sha256(path) == sha):
+            tmp = path.with_name(name + ".tmp")
+            with urllib.request.urlopen(base_url + name, timeout=120) as r, open(tmp, "wb") as f:
+                f.write(r.read())
+            if (got := _sha256(tmp)) != sha:
+                tmp.unlink()
+                raise RuntimeError(f"{base_url}{name}: sha256 {got}, expected {sha}")
+            tmp.replace(path)
+        entries.append({"file": name, "sha256": sha, "path": str(path), "bytes": path.stat().st_size})
+        print(f"encoding {name}: sha256 checked -> {path}")
+    return entries
+
+
 def prefetch(home: str | Path, repos: list[dict], out: str | Path) -> dict:
     """Download every repository of `repos` (hub_repos) at its revision into the cache of HF_HOME `home`, and
     write the manifest `out` (JSON): per repository its revision, local snapshot path, files and sizes.
@@ -123,7 +168,7 @@ def prefetch(home: str | Path, repos: list[dict], out: str | Path) -> dict:
         sizes = {p.relative_to(want).as_posix(): p.stat().st_size for p in files}  # stat follows the blob links
         entries.append({**r, "path": str(want), "files": sizes, "bytes": sum(sizes.values())})
         print(f"{r['type']} {r['repo']}@{r['revision']}: {len(sizes)} files, {sum(sizes.values()) / 1e9:.2f} GB -> {want}")
-    manifest = {"home": str(home), "repos": entries}
+    manifest = {"home": str(home), "repos": entries, "encodings": fetch_encodings(home)}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(out).with_name(Path(out).name + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))

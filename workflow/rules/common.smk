@@ -33,14 +33,21 @@ PYTHON_ONLINE = 'PYTHONPATH="$MEMOPD_SRC${PYTHONPATH:+:$PYTHONPATH}" "$MEMOPD_PY
 sys.path.insert(0, SRC)  # this checkout's library, as the jobs run it
 try:
     from memopd.codegraph import code_hash, command_targets
-    from memopd.prefetch import hub_repos, localize
+    from memopd.prefetch import encodings_dir, hub_repos, localize
 finally:
     sys.path.remove(SRC)
 COMMANDS = command_targets(Path(SRC))  # "audit alignment" -> "memopd.audit.commands:cmd_audit_alignment"
 HUB_REPOS = hub_repos(config) if config.get("hub") else []  # refuses an unpinned repository before any job starts
 HUB_MANIFEST = ["results/prefetch/manifest.json"] if config.get("hub") else []
 JOB_CONFIG = localize(config)
-_OFFLINE = f"HF_HOME={shlex.quote(config['hub']['home'])} HF_HUB_OFFLINE=1 " if config.get("hub") else ""
+# Every job also gets the tiktoken encodings that vLLM's gpt-oss loads at start-up (prefetched into hub.home) and
+# compile caches of its own in node-local temporary space: vLLM, Triton and Inductor otherwise share ~/.cache
+# among all concurrent engines of a cluster.
+_CACHE = '"${TMPDIR:-/tmp}/memopd-cache-$$'
+_OFFLINE = (f"HF_HOME={shlex.quote(config['hub']['home'])} HF_HUB_OFFLINE=1 "
+            f"TIKTOKEN_ENCODINGS_BASE={shlex.quote(str(encodings_dir(config['hub']['home'])))} "
+            f'VLLM_CACHE_ROOT={_CACHE}/vllm" TRITON_CACHE_DIR={_CACHE}/triton" '
+            f'TORCHINDUCTOR_CACHE_DIR={_CACHE}/inductor" ') if config.get("hub") else ""
 PYTHON = _OFFLINE + PYTHON_ONLINE
 MEMOPD = f"{PYTHON} -m memopd.cli"
 
