@@ -44,6 +44,7 @@ from memopd import parallel
 from memopd.checkpoint import (
     load_checkpoint,
     load_tensors,
+    read_state,
     read_meta,
     rng_state,
     save_checkpoint,
@@ -225,7 +226,7 @@ def load_sharded_checkpoint(meta: dict, model, opt, sched) -> None:
     """Inverse of `save_sharded_checkpoint`: every rank reads the whole tensors and keeps its shards."""
     path = Path(meta["path"])
     parallel.load_full_state_dict(model, load_tensors(path / "model.safetensors"))
-    state = torch.load(path / "state.pt", weights_only=True, map_location="cpu")
+    state = read_state(path)
     parallel.load_optimizer_state(model, opt, state["optimizer"])
     sched.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
