@@ -103,6 +103,17 @@ def test_the_profile_retries_failed_jobs():
     assert profile.get("retries", 0) >= 1
 
 
+def test_paper_jobs_fit_a_24_hour_partition():
+    """Many GPU partitions cap jobs at 24 h; a longer request is rejected or pends forever. Training longer than
+    that goes on through resume when the profile resubmits it."""
+    paper = yaml.safe_load((REPO / "config" / "paper.yaml").read_text())["resources"]
+    runtimes = {"default": paper["default"]["runtime"], **{r: v["runtime"] for r, v in paper["rules"].items()
+                                                             if "runtime" in v}}
+    assert max(runtimes.values()) <= 24 * 60, runtimes
+    profile = yaml.safe_load((REPO / "slurm" / "config.yaml").read_text())
+    assert profile.get("retries", 0) >= 2
+
+
 def test_the_corpus_download_is_not_tracked():
     """The ~14 GB wiki-18 download lands in data/wiki18/ inside the checkout: git ignores it."""
     import subprocess
