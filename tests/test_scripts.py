@@ -89,3 +89,51 @@ def test_retrieval_vs_reading_counts_seen_right_and_title_copies(tmp_path):
     # right; a title with parentheses copied (wrong); an answer that only starts with "Doc 3" (neither)
     assert got == {"questions": 7, "seen": 2, "seen_right": 2, "unseen_right": 1, "title_copies": 3,
                    "title_copies_right": 1, "doc_refs": 1}
+
+
+def _tree(root: Path) -> list[str]:
+    """A made-up complete results tree: each kind of output check_outputs.py looks at, well formed."""
+    files = {
+        "results/tables/alignment_audit.csv": b"backend,max_dlogp\nsdpa,1e-07\n",
+        "results/tables/alignment_audit.md": b"# Alignment audit\n",
+        "results/figures/packing_efficiency.png": b"\x89PNG\r\n\x1a\n" + b"\0" * 32,
+        "results/audit/rce_smoke.json": b"{}",
+        "results/retrieval/index/params.index.json": b"{}",  # a directory output with a file in it
+    }
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return sorted(n for n in files if not n.startswith("results/retrieval/")) + ["results/retrieval/index"]
+
+
+def test_check_outputs_passes_a_complete_tree_and_names_each_bad_output(tmp_path):
+    co = _load("check_outputs")
+    paths = _tree(tmp_path)
+    assert co.check(paths, tmp_path) == []
+
+    (tmp_path / "results/audit/rce_smoke.json").write_bytes(b"")                      # truncated
+    (tmp_path / "results/figures/packing_efficiency.png").unlink()                     # deleted
+    (tmp_path / "results/tables/alignment_audit.csv").write_text("backend,max_dlogp\n")  # a header, no row
+    for f in (tmp_path / "results/retrieval/index").iterdir():                           # an emptied directory
+        f.unlink()
+    assert co.check(paths, tmp_path) == [
+        "results/audit/rce_smoke.json: empty (0 bytes)",
+        "results/figures/packing_efficiency.png: missing",
+        "results/tables/alignment_audit.csv: CSV with a header and no row",
+        "results/retrieval/index: empty directory",
+    ]
+    (tmp_path / "results/figures/packing_efficiency.png").write_bytes(b"not an image")
+    assert co.check(["results/figures/packing_efficiency.png"], tmp_path) == [
+        "results/figures/packing_efficiency.png: not a PNG (no PNG signature)"]
+
+
+def test_check_outputs_exits_1_naming_the_file(tmp_path, monkeypatch, capsys):
+    co = _load("check_outputs")
+    paths = _tree(tmp_path)
+    monkeypatch.setattr(co, "dag_outputs", lambda *a, **k: paths)  # the list `snakemake --summary` would give
+    assert co.main(["--directory", str(tmp_path)]) == 0
+    assert f"all {len(paths)} outputs of `all` present" in capsys.readouterr().out
+    (tmp_path / "results/tables/alignment_audit.md").write_bytes(b"")
+    assert co.main(["--directory", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "results/tables/alignment_audit.md: empty (0 bytes)" in err and "1 of 5 outputs" in err
