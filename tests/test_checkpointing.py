@@ -151,8 +151,9 @@ def _fsdp_worker(rank, world, port, examples, cfg, out, job):
 def _spawn(*args):
     import torch.multiprocessing as mp
 
-    # fork: the children inherit the imported modules (spawn would re-import torch and transformers)
-    mp.start_processes(_fsdp_worker, args=(2, _free_port(), *args), nprocs=2, start_method="fork")
+    # spawn, not fork: a child forked from a process whose thread pools run can corrupt its heap (seen once:
+    # "malloc(): unaligned tcache chunk detected"); spawn re-imports torch, a few seconds
+    mp.start_processes(_fsdp_worker, args=(2, _free_port(), *args), nprocs=2, start_method="spawn")
 
 
 def test_fsdp_sft_on_two_ranks_equals_one_process(examples, tmp_path):

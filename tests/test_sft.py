@@ -291,9 +291,10 @@ def test_two_ranks_equal_one_rank_with_twice_the_accumulation(examples, tmp_path
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # fork: the children inherit the imported modules (spawn would re-import torch and transformers)
+    # spawn, not fork: a child forked from a process whose thread pools run can corrupt its heap (seen once:
+    # "malloc(): unaligned tcache chunk detected"); spawn re-imports torch, a few seconds
     mp.start_processes(_ddp_worker, args=(2, port, examples, replace(cfg, grad_accum=1), str(tmp_path)), nprocs=2,
-                       start_method="fork")
+                       start_method="spawn")
     w = torch.load(tmp_path / "w.pt", weights_only=True)
     for k, v in single.state_dict().items():
         assert (v - w[k]).abs().max().item() <= 1e-5, k

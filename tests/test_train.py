@@ -175,8 +175,9 @@ def test_two_ranks_give_the_single_process_update(tmp_path, shard):
 
     policy, ref, critic, teacher, a_opt, c_opt = _setup()
     single = ppo_update(_episodes(), policy, ref, critic, teacher, a_opt, c_opt, PPOConfig(**DIST_CFG))
-    # fork: the children inherit the imported modules (spawn would re-import torch and transformers)
-    mp.start_processes(_dist_worker, args=(2, _free_port(), str(tmp_path), shard), nprocs=2, start_method="fork")
+    # spawn, not fork: a child forked from a process whose thread pools run can corrupt its heap (seen once:
+    # "malloc(): unaligned tcache chunk detected"); spawn re-imports torch, a few seconds
+    mp.start_processes(_dist_worker, args=(2, _free_port(), str(tmp_path), shard), nprocs=2, start_method="spawn")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert all(torch.equal(r0[k], r1[k]) for k in r0)  # the replicas stay identical
     want = {**{f"policy.{k}": v for k, v in policy.state_dict().items()},
@@ -202,7 +203,7 @@ def test_fsdp_bf16_first_ratio_is_exactly_one(tmp_path):
     import torch.multiprocessing as mp
 
     mp.start_processes(_dist_worker, args=(2, _free_port(), str(tmp_path), "fsdp", "bfloat16"), nprocs=2,
-                       start_method="fork")
+                       start_method="spawn")
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["ppo/first_ratio_err"] == 0.0 and m["reward/kl_ref"] == 0.0
     assert m["rce/max_abs_dlogp"] <= 5e-2

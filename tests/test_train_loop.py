@@ -197,7 +197,7 @@ def _two_ranks(setup, out, stop_after=None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_train_worker, args=(2, port, setup, out, stop_after), nprocs=2, start_method="fork")
+    mp.start_processes(_train_worker, args=(2, port, setup, out, stop_after), nprocs=2, start_method="spawn")
 
 
 @pytest.mark.slow  # two gloo ranks in subprocesses: 10-20 s each
