@@ -63,8 +63,8 @@ HISTORY = [re.compile(p, re.IGNORECASE) for p in (
     r"\bsessions? \d",                              # a session or sessions and a number
     r"\bissues? #?\d",                              # an issue and its number
     r"\(#\d{1,3}\)",                                # a bracketed tracker reference
-    r"\bthis session\b",
-    r"\b(earlier|previous|next|later) sessions?\b",
+    r"\bthis " r"session\b",
+    r"\b(earlier|previous|next|later) " r"sessions?\b",
     r"\buntil issue\b",
     r"TODO\(issue",
     r"\bfoundation issue\b",
@@ -91,7 +91,7 @@ def history_hits(line: str) -> list[str]:
 def test_history_matcher_catches_planted_lines():
     # written in pieces, so that a plain grep of the repository for such phrases does not find this test
     planted = ["# measured in sess" "ion 9 on 2 cores", "Sess" "ions 5-10 had an Intel CPU", "see iss" "ue 14, item 4",
-               "(iss" "ue #" "3)", "fixed in (#" "12)", "as this session found", "the previous sessions' figure",
+               "(iss" "ue #" "3)", "fixed in (#" "12)", "as this sess" "ion found", "the previous sess" "ions' figure",
                "kept until iss" "ue 14", "# TODO(iss" "ue 3): wire the index", "the nine configurations of the foundation issue",
                "no GPU was available to this project's sessions", "a new session of the project",
                "measured over two session(s)"]
