@@ -233,3 +233,16 @@ def test_the_engine_wakes_up_after_the_allocators_cache_is_freed(monkeypatch):
     sync.sync(policy)
     assert calls == [("load_weights", 2), "reset_prefix_cache", ("sleep", 1),
                      "empty_cache", "wake_up", ("load_weights", 2), "reset_prefix_cache"]
+
+
+def test_the_update_metrics_are_batch_means_by_hand():
+    """reduce_metrics in one process: per-minibatch values averaged over minibatches, maxima kept as maxima, the
+    task reward a mean over episodes and the reference penalty a mean over action tokens (values by hand)."""
+    from memopd.train.batching import RankShare, reduce_metrics
+
+    share = RankShare(minibatches=[{"actor/loss": 1.0, "ppo/ratio_max": 1.5}, {"actor/loss": 3.0, "ppo/ratio_max": 1.2}],
+                      packed_tokens=100, actions=40, reward=3.0, kl_ref=2.0, first_ratio_err=1e-7)
+    m = reduce_metrics(share, n_episodes=4)
+    assert m["actor/loss"] == 2.0 and m["ppo/ratio_max"] == (1.5 + 1.2) / 2
+    assert m["reward/task"] == 3.0 / 4 and m["reward/kl_ref"] == 2.0 / 40
+    assert m["tokens/packed"] == 100 and m["tokens/actions"] == 40 and m["ppo/first_ratio_err"] == 1e-7
