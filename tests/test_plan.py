@@ -307,7 +307,9 @@ def test_paper_training_and_sft_fit_on_80gb_gpus():
     jobs = {j.name: j for j in plan(cfg, {"train", "sft_train", "sft_pretrain"})}
     assert {k: j.failures() for k, j in jobs.items()} == {k: [] for k in jobs}
     peaks = {k: round(j.peak()[1] / GB, 1) for k, j in jobs.items()}
-    assert peaks == {"sft_train[student]": 20.4, "sft_train[teacher]": 39.0, "train": 73.1}, peaks
+    assert peaks == {"sft_train[student]": 20.4, "sft_train[teacher]": 39.0, "train": 77.3}, peaks
+    scoring = sum(v for v, _ in jobs["train"].phases["scoring"].values())
+    assert jobs["train"].peak()[0] == "load" and round(scoring / GB, 1) == 73.1
     t = jobs["train"].phases["update"]
     assert round(t["activations (policy + critic)"][0] / GB, 1) == 14.5
 
@@ -319,6 +321,70 @@ def test_checkpointing_fsdp_and_host_memory_make_training_sft_and_index_jobs_fit
     rules = {"train", "sft_train", "retrieval_index", "retrieval_recall", "eval", "audit_episodes",
              "audit_rule_episodes", "sft_trajectories", "rce_smoke", "model_init", "sft_eval"}
     assert failures(w, plan(w, rules)) == []
+
+
+# Qwen2.5-3B / -7B as published (parameters, hidden, vocabulary): the hand computations below start from these alone.
+P3, P7, H3, V3 = 3_085_938_688, 7_615_616_512, 2048, 151_936
+P_CRITIC = P3 + H3 + 1  # train.critic_layers null: every decoder layer of the policy + a scalar head (weight, bias)
+
+
+def _phase_gb(job, phase: str) -> float:
+    return sum(v for v, _ in job.phases[phase].values()) / 1e9
+
+
+def test_training_load_before_sharding_by_hand():
+    """Before fully_shard every rank holds, on its GPU beside the vLLM engine's share (0.3 x 80 GB), the fp32 policy
+    and its two deep copies (reference, critic) and the bf16 teacher whole: 77.26 GB, the training job's peak."""
+    from memopd.plan import GB, plan
+
+    (job,) = plan(_cfg(), {"train"})
+    hand = 1e9 + 0.3 * 80e9 + 3 * P3 * 4 + P7 * 2
+    assert _phase_gb(job, "load") == pytest.approx(hand / 1e9, rel=1e-12)
+    assert job.peak() == ("load", pytest.approx(hand)) and not job.failures()
+    w = _cfg()
+    w["train"]["vllm"]["gpu_memory_utilization"] = 0.35  # 4 GB more for the engine: the load no longer fits
+    (job,) = plan(w, {"train"})
+    assert job.failures()[0].startswith(f"train: needs {(hand + 0.05 * 80e9) / GB:.1f} GB per GPU (load phase)")
+
+
+def test_training_wake_up_after_empty_cache_by_hand():
+    """The engine's wake-up: what lives through a step (sharded AdamW policy + critic, sharded reference, teacher),
+    no allocator reserve beyond it (empty_cache first), the engine's share and one gathered fp32 embedding. The
+    term states what the reserve would be without empty_cache: the scoring peak less the live tensors."""
+    from memopd.plan import plan
+
+    (job,) = plan(_cfg(), {"train"})
+    live = 1e9 + (P3 + P_CRITIC) * 16 / 4 + P3 * 4 / 4 + P7 * 2
+    assert _phase_gb(job, "wake-up") == pytest.approx((live + 0.3 * 80e9 + V3 * H3 * 4) / 1e9, rel=1e-12)
+    value, formula = job.phases["wake-up"]["allocator reserve beyond live tensors"]
+    held = max(_phase_gb(job, "scoring"), _phase_gb(job, "update")) - live / 1e9
+    assert value == 0 and f"= {held:.1f} GB" in formula and held + live / 1e9 + 0.3 * 80 > 80, formula
+
+
+def test_resume_host_memory_by_hand():
+    """A training resume: policy and critic mapped (page cache shared by the ranks) and every one of the 4 ranks
+    reading state.pt (AdamW exp_avg + exp_avg_sq, 8 B per parameter) whole; SFT maps both (checkpoint.read_state):
+    one copy however many ranks. Neither raises the jobs' host peaks above their steady terms; both fit."""
+    from memopd.plan import plan
+
+    jobs = {j.name: j for j in plan(_cfg(), {"train", "sft_train"})}
+    t = jobs["train"]
+    assert sum(v for v, _ in t.host_phases["resume"].values()) == pytest.approx((P3 + P_CRITIC) * (4 + 4 * 8))
+    assert t.host_peak() >= 4 * 4e9 + (P3 + P_CRITIC) * (4 + 4 * 8) and t.host_peak() <= t.mem_limit
+    s = jobs["sft_train[teacher]"]
+    assert sum(v for v, _ in s.host_phases["resume"].values()) == pytest.approx(P7 * 12)
+    assert s.host_peak() == pytest.approx(8 * 4e9 + P7 * 12) and s.host_peak() <= s.mem_limit
+
+
+def test_the_table_quotes_each_gpu_jobs_headroom():
+    """gpu_headroom_gb = the GPU's 80 GB less the job's peak; empty for CPU jobs."""
+    from memopd.plan import plan, rows
+
+    got = {r["job"]: r for r in rows(plan(_cfg()))}
+    load = 1e9 + 0.3 * 80e9 + 3 * P3 * 4 + P7 * 2
+    assert got["train"]["gpu_headroom_gb"] == round((80e9 - load) / 1e9, 1) == 2.7
+    assert got["rce_smoke"]["gpu_headroom_gb"] == round(80 - got["rce_smoke"]["gpu_gb"], 1)
+    assert got["retrieval_recall"]["gpu_headroom_gb"] == ""
 
 
 @pytest.mark.parametrize("change,needs", [

@@ -11,8 +11,10 @@ from memopd.plan.models import BYTES, GB, Spec, _plan, resolve
 @dataclass
 class Job:
     """One job's estimate. `phases`: per-GPU (or, without GPUs, in-RAM) terms of each phase, the peak is the
-    largest phase; `host`: host-only terms of the whole job; `disk`: what it leaves on disk (and transiently);
-    `checks`: further (what, need, limit) constraints, e.g. a vLLM engine inside its share."""
+    largest phase; `host`: host-only terms of the whole job; `host_phases`: host terms of a moment that replace
+    the whole job's (a resume: nothing else is loaded yet), each phase with the job's `processes`; `disk`: what it
+    leaves on disk (and transiently); `checks`: further (what, need, limit) constraints, e.g. a vLLM engine
+    inside its share."""
     name: str
     rule: str
     gpus: int
@@ -20,6 +22,7 @@ class Job:
     gpu_limit: float
     phases: dict = field(default_factory=dict)
     host: dict = field(default_factory=dict)
+    host_phases: dict = field(default_factory=dict)
     disk: dict = field(default_factory=dict)
     checks: list = field(default_factory=list)
 
@@ -31,9 +34,17 @@ class Job:
             return "-", 0.0
         return max(((ph, sum(v for v, _ in t.values())) for ph, t in self.phases.items()), key=lambda x: x[1])
 
+    def add_host(self, phase: str, term: str, nbytes: float, formula: str) -> None:
+        self.host_phases.setdefault(phase, {})[term] = (float(nbytes), formula)
+
+    def host_terms(self) -> dict:
+        """The host terms of the largest host moment: the whole job's, or a host phase's with the processes."""
+        own = {**self.host, **({} if self.gpus else self.phases.get(self.peak()[0], {}))}  # no GPU: the device is RAM
+        moments = [own] + [{"processes": self.host["processes"], **t} for t in self.host_phases.values()]
+        return max(moments, key=lambda t: sum(v for v, _ in t.values()))
+
     def host_peak(self) -> float:
-        own = sum(v for v, _ in self.host.values())
-        return own if self.gpus else own + self.peak()[1]  # without GPUs the device is the host
+        return sum(v for v, _ in self.host_terms().values())
 
     def failures(self) -> list[str]:
         out = []
@@ -43,9 +54,8 @@ class Job:
                        f"(plan.gpu_memory_gb); largest: {self._largest(self.phases[phase])}")
         host = self.host_peak()
         if host > self.mem_limit:
-            terms = {**self.host, **({} if self.gpus else self.phases.get(phase, {}))}
             out.append(f"{self.name}: needs {host / GB:.1f} GB host memory > mem_mb {self.mem_limit / 1e6:.0f}; "
-                       f"largest: {self._largest(terms)}")
+                       f"largest: {self._largest(self.host_terms())}")
         out += [f"{self.name}: {what} needs {need / GB:.1f} GB > {limit / GB:.1f} GB" for what, need, limit in self.checks
                 if need > limit]
         return out

@@ -74,6 +74,21 @@ S ways a model is sharded (W under FSDP, else 1), G = plan.gpu_memory_gb.
                                                       a search block; building: one shard at a time
   checkpoint (host)    W * 4 * (P + P_c) + 8 * (P+P_c) train: every rank gathers whole fp32 policy + critic,
                                                       rank 0 also the AdamW state (train/loop.save_checkpoint)
+  load (train)         3 * P * 4 + P_T * b + util*G    before fully_shard every rank holds the fp32 policy, its
+                                                      deep copies (reference; critic before it keeps its first
+                                                      layers) and the teacher whole, beside the vLLM engine's
+                                                      share, created first (train/loop.train_run)
+  allocator reserve    0 beyond the live tensors      at the engine's wake-up (weight_sync.WeightSync.sync):
+                                                      empty_cache first returns every segment without a live
+                                                      tensor; assumed: the segments that hold live tensors hold
+                                                      no freed block (no fragmentation). Without empty_cache
+                                                      the scoring / update peak stays reserved
+  sync tensor          V * h * 4                      a sync gathers one whole fp32 tensor at a time (the
+                                                      largest: the embedding)
+  resume (host)        (P + P_c) * (4 + 8 W)          train: safetensors maps the weights (page cache the ranks
+                                                      share), every rank torch.loads state.pt whole (AdamW 8 B);
+                       P * 12                         SFT: both mapped (checkpoint.read_state), one copy; a
+                                                      resume holds nothing else yet (the index loads after it)
 
 Sequence bounds come from the limits, not from typical lengths (a plan that holds for the worst episode the
 config allows): a call's input is q + the rule's context (capped by agent.max_input_tokens, beyond which the

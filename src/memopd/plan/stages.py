@@ -73,6 +73,10 @@ def plan_train(cfg: dict) -> list[Job]:
                                          f"{w} ranks x (P + P_critic) x 4 B + (P + P_critic) x 8 B")
     if sleeping:
         job.host["vLLM sleep offload"] = (w * pol.weights("bfloat16"), f"{w} x P x 2 B (sleep level 1)")
+        _train_wake(job, pol)
+    if job.gpus:
+        _train_load(job, cfg, pol, tea if opd else None, dt)
+        _train_resume(job, w, pol.params, pc)
     _retriever(job, cfg, copies=w)
     runs = len(t["methods"]) * len(t["seeds"])
     job.disk["exports"] = (runs * pol.params * BYTES[dt], f"{runs} runs x P x {BYTES[dt]} B")
@@ -81,6 +85,44 @@ def plan_train(cfg: dict) -> list[Job]:
     else:
         job.disk["checkpoints"] = (runs * (pol.params + pc) * 12, f"{runs} runs x 12 B x (P + P_critic)")
     return [job]
+
+
+def _train_load(job: Job, cfg: dict, pol: Spec, tea: Spec | None, dt: str) -> None:
+    """Before `fully_shard` every rank holds whole models on its GPU (train/loop.train_run): the vLLM engine is
+    created first and takes its share, then the fp32 policy, its deep copies (reference, and the critic before
+    ValueModel keeps its first layers), and the teacher in train.dtype."""
+    _common(job, cfg, "load")
+    if cfg["rollout"].get("backend", "hf") == "vllm":
+        util = cfg["train"].get("vllm", {}).get("gpu_memory_utilization", 0.9)
+        job.add("load", "vLLM engine", util * job.gpu_limit, f"gpu_memory_utilization {util} x {job.gpu_limit / GB:.0f} GB")
+    for term, why in (("policy", "load_model"), ("reference", "deepcopy"), ("critic", "deepcopy, all layers")):
+        job.add("load", f"{term} (fp32, whole)", pol.params * 4, f"P {pol.params:,} x 4 B ({why})")
+    if tea is not None:
+        job.add("load", "teacher (whole)", tea.weights(dt), f"P_T {tea.params:,} x {BYTES[dt]} B")
+
+
+def _train_wake(job: Job, pol: Spec) -> None:
+    """The engine's wake-up before a rollout (weight_sync.WeightSync.sync): what lives through the step, the
+    allocator's reserve, the engine's share, and the one whole tensor a sync gathers at a time (the largest:
+    the embedding, fp32). `free_cached_memory` (empty_cache) runs first, so the allocator keeps only segments
+    that hold live tensors: assumed to hold no freed block beside them (no fragmentation); without it the
+    allocator would keep the scoring / update peak's reserve, stated in the formula."""
+    for term, value in job.phases["rollout"].items():
+        job.phases.setdefault("wake-up", {})[term] = value
+    live = {k: v for k, (v, _) in job.phases["rollout"].items() if k != "vLLM engine"}
+    held = max(sum(v for v, _ in job.phases[ph].values()) for ph in ("scoring", "update")) - sum(live.values())
+    job.add("wake-up", "allocator reserve beyond live tensors", 0.0,
+            f"0 after empty_cache (no fragmentation assumed); without it max(scoring, update) - live = {held / GB:.1f} GB")
+    job.add("wake-up", "sync: one whole tensor", pol.vocab * pol.hidden * 4, "V x h x 4 B (the fp32 embedding, gathered)")
+
+
+def _train_resume(job: Job, w: int, p: int, pc: int) -> None:
+    """A resume (train/loop.load_checkpoint), before the index loads: safetensors maps policy and critic (page cache
+    the node's ranks share) and every rank reads state.pt whole with torch.load, without mmap: its own copy of the
+    whole AdamW state (checkpoint.read_state's mmap would make it one shared copy of 8 (P + P_critic) B)."""
+    job.add_host("resume", "weights (mapped)", (p + pc) * 4, "(P + P_critic) x 4 B, page cache shared by the ranks")
+    job.add_host("resume", "AdamW state (torch.load)", w * (p + pc) * 8,
+                 f"{w} ranks x (P + P_critic) x 8 B: each rank's copy of state.pt")
 
 
 def _sft_job(cfg: dict, rule: str, role: str, seq_len: int) -> Job:
@@ -107,6 +149,9 @@ def _sft_job(cfg: dict, rule: str, role: str, seq_len: int) -> Job:
     job.add("step", "loss chunk", 2048 * m.vocab * 16, "2048 x V x 16 B (sft/loss.py _CHUNK)")
     if job.gpus:  # copied off the GPU to be written
         job.host["checkpoint"] = (m.params * 12, "P x (4 + 8) B: model + AdamW state serialised by rank 0")
+        # resume (sft/trainer.load_sharded_checkpoint): weights and state mapped (checkpoint.read_state), the page
+        # cache shared by the ranks; a rank copies mapped tensors straight to its GPU, keeping no host copy
+        job.add_host("resume", "weights + AdamW state (mapped)", m.params * 12, "P x (4 + 8) B, page cache shared")
     job.disk[f"{role} model"] = (m.params * 4, "P x 4 B (fp32 export) + transient checkpoint P x 12 B")
     return job
 
