@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from agent_support import random_student, tokenizer
-from memopd.agent.backends import HFBackend, Sampling, VLLMBackend, growing_cache, sample_next
+from memopd.agent.backends import (HFBackend, Sampling, VLLMBackend, growing_cache, prefill_groups, sample_next,
+                                   shared_prefix_len)
 from memopd.agent.protocol import encode
 from memopd.attention import independent_logits, token_logprobs
 from memopd.records import Episode, Invocation
@@ -106,6 +107,65 @@ def test_growing_cache_is_transformers_cache_without_the_copies(reserve):
     assert [x.output_ids for x in a] == [x.output_ids for x in b] and [x.logprobs for x in a] == [x.logprobs for x in b]
 
 
+def test_prefill_groups_and_shared_prefix_by_hand():
+    # sorted 10, 11, 12 | 50 | 95, 100: adding 50 to the first would pad 4 x 50 = 200 > 1.1 x 83 positions;
+    # 95 and 50 (190 > 1.1 x 145) part, 100 joins 95 (200 <= 1.1 x 195)
+    assert prefill_groups([10, 100, 12, 95, 11, 50], slack=0.1) == [[0, 4, 2], [5], [3, 1]]
+    assert prefill_groups([7, 7, 7]) == [[0, 1, 2]] and prefill_groups([5]) == [[0]]
+    head = list(range(100, 140))
+    assert shared_prefix_len([head + [1, 2], head + [3], head[:35] + [9] * 10], least=32) == 35
+    assert shared_prefix_len([head, head + [5]], least=32) == 39  # the shortest row keeps its last token
+    assert shared_prefix_len([head + [1], head + [1]], least=41) == 0 and shared_prefix_len([head + [1]]) == 0
+
+
+def _mixed_prompts(tok, lengths, head=40, seed=0):
+    """Prompts of a common `head`-token prefix plus random tails of `lengths` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randint(100, len(tok), (head,), generator=g).tolist()
+    return [common + torch.randint(100, len(tok), (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("prefill", ["sorted", "shared"])
+def test_grouped_prefill_is_the_padded_one(prefill):
+    """Length-sorted groups (and the common prefix run once) give the one left-padded forward's greedy tokens,
+    stop reasons and, within 1e-5, log-probs (rows of 41-160 tokens: 3 groups); both agree with every call
+    recomputed alone (fp32 tolerance 1e-4)."""
+    tok, model = tokenizer(), random_student(0)
+    prompts = _mixed_prompts(tok, [1, 90, 6, 120, 3, 60, 118])
+    assert len(prefill_groups([len(q) for q in prompts])) == 3 and shared_prefix_len(prompts) == 40
+    greedy = Sampling(temperature=0.0, max_new_tokens=16)
+    old = HFBackend(model, tok, greedy, prefill="padded").generate(prompts, list(range(7)))
+    be = HFBackend(model, tok, greedy, prefill=prefill)
+    assert be._plain_cache  # the grouped path runs (a sliding-window model would keep the padded one)
+    new = be.generate(prompts, list(range(7)))
+    assert [g.output_ids for g in new] == [g.output_ids for g in old]
+    assert [g.stop_reason for g in new] == [g.stop_reason for g in old]
+    d = max(abs(a - b) for x, y in zip(new, old) for a, b in zip(x.logprobs, y.logprobs))
+    assert d < 1e-5
+    _check_exact(model, prompts, new, tol=1e-4)
+
+
+@pytest.mark.parametrize("prefill", ["sorted", "shared"])
+def test_grouped_prefill_keeps_each_rows_seed(prefill):
+    """A row's sample depends on its prompt and seed only: alone, first or last of batches whose other rows
+    differ in number, length and common prefix (so its group, padding and shared prefix change), it samples
+    the same tokens."""
+    tok, model = tokenizer(), random_student(0)
+    be = HFBackend(model, tok, Sampling(temperature=1.0, top_p=0.95, max_new_tokens=12), prefill=prefill)
+    mine = _mixed_prompts(tok, [30])[0]
+    others = [_mixed_prompts(tok, [2, 80, 31], seed=1), _mixed_prompts(tok, [29], seed=0), _mixed_prompts(tok, [5, 7], seed=2)]
+    alone = be.generate([mine], [7])[0]
+    for rest in others:
+        for batch, where in (([mine] + rest, 0), (rest + [mine], len(rest))):
+            seeds = [100 + i for i in range(len(batch))]
+            seeds[where] = 7
+            got = be.generate(batch, seeds)[where]
+            assert got.output_ids == alone.output_ids
+            assert max(abs(a - b) for a, b in zip(got.logprobs, alone.logprobs)) < 1e-5
+    other_seed = be.generate([mine], [8])[0]
+    assert other_seed.output_ids != alone.output_ids  # the seed matters: the test can see a wrong generator
+
+
 def test_hf_backend_stops():
     tok, model = tokenizer(), random_student(0)
     be = HFBackend(model, tok, Sampling(max_new_tokens=4), stop_strings=("</search>", "</answer>", "nobel prize"))
@@ -145,3 +205,22 @@ def test_vllm_backend(tmp_path):
         if g.stop_reason == "eos":
             assert g.output_ids[-1] == tok.eos_token_id
     _check_exact(model, prompts, gens, tol=5e-2)  # different kernels: a figure, loosely bounded
+
+
+def test_bench_eval_on_real_episodes():
+    """`memopd bench eval`'s work on real episodes: the rollout loop with the real BM25 retriever, each path's
+    outcome the episodes' own call outputs, identical greedy outputs across paths."""
+    from agent_support import nq_tasks, retriever
+    from memopd.agent import eval_bench
+    from memopd.agent.rollout import AgentConfig, rollout
+
+    tok, model = tokenizer(), random_student(0)
+    tasks = nq_tasks(3, n_questions=2)
+    agent = AgentConfig(max_observation_tokens=48, turns={"default": 3}, batch_size=3, invalid_action="continue")
+    greedy = Sampling(temperature=0.0, max_new_tokens=8)
+    rows = eval_bench.run(model, tok, eval_bench.episodes_work(tasks, tok, retriever(), agent), greedy,
+                          paths=("padded", "shared"), repeats=1, log=lambda line: None)
+    assert [r.path for r in rows] == ["padded", "shared"] and all(r.identical for r in rows)
+    eps = rollout(tasks, HFBackend(model, tok, greedy, prefill="padded"), tok, retriever(), agent, progress=False)
+    assert sum(len(e.invocations) for e in eps) == 9  # 3 calls each: prompts of several lengths were compared
+    assert 0 < rows[1].max_abs_dlogp < 1e-5  # grouped forwards round differently, and by little

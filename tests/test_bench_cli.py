@@ -68,3 +68,19 @@ def test_bench_decode_writes_its_row(tmp_path):
     assert row["identical_outputs"] == "True" and row["repeats"] == "2" and row["threads"] == "1"
     assert float(row["growing_s"]) > 0 and float(row["dynamic_s"]) > 0 and float(row["prefill_s"]) > 0
     assert float(row["speedup_lo"]) <= float(row["speedup"]) <= float(row["speedup_hi"])
+
+
+def test_bench_eval_writes_a_row_per_path(tmp_path):
+    """Synthetic prompts (no benchmark, no index): one row per prefill path, the baseline's speedup exactly 1."""
+    model = tmp_path / "model"
+    random_student(0).save_pretrained(model)
+    tokenizer().save_pretrained(model)
+    out = tmp_path / "eval.csv"
+    main(["bench", "eval", "--model", str(model), "--benchmark", str(tmp_path / "none.parquet"), "--batch", "5",
+          "--tokens", "30", "--shared-tokens", "40", "--new-tokens", "6", "--repeats", "2", "--threads", "1",
+          "--paths", "padded", "sorted", "shared", "--out", str(out)])
+    rows = _rows(out)
+    assert [r["path"] for r in rows] == ["padded", "sorted", "shared"]
+    assert all(r["identical"] == "True" and r["repeats"] == "2" and r["work"] == "5 synthetic prompts" for r in rows)
+    assert float(rows[0]["speedup"]) == 1.0 and float(rows[0]["max_abs_dlogp"]) == 0.0
+    assert all(0 < float(r["min_s"]) <= float(r["median_s"]) <= float(r["max_s"]) for r in rows)

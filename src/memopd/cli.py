@@ -35,7 +35,7 @@ GROUPS = {"model": "model checkpoints",
 # `memopd --help` lists the commands in pipeline order, whichever package adds them
 LISTED = {"": ("tokenizer", "model", "rce", "eval", "rce-rollouts", "fetch", "train", "report", "sft", "audit", "bench",
                "benchmarks", "retrieval", "plan", "prefetch", "tracking"),
-          "bench": ("packing", "decode", "opd-memory", "index", "sft")}
+          "bench": ("packing", "decode", "eval", "opd-memory", "index", "sft")}
 BAD_INPUT = (UsageError, DataConfigError, DataFormatError, FileNotFoundError)
 
 

@@ -12,7 +12,13 @@ HFBackend: transformers on CPU or GPU, a hand-written sampling loop over a KV ca
 then one token per step; finished rows leave the cache). The cache is `growing_cache`'s: transformers'
 DynamicLayer appends by `torch.cat`, copying the whole cache of every layer at every step; its layers write
 into buffers with room for the new tokens, so a step copies only those (one thread, SmolLM2, 32 rows of 450
-tokens: a decode step 648 -> 497 ms; `memopd bench decode`). VLLMBackend: GPU, prompts passed as token ids.
+tokens: a decode step 648 -> 497 ms; `memopd bench decode`). The prefill (`prefill`, PREFILLS) is most of an
+evaluation call on CPU: "padded" runs the batch as one left-padded forward; "sorted" runs groups of similar length
+(prefill_groups: little padding computed); "shared" (the default) also runs the batch's common prefix (the system
+prompt) once and lets every group attend to its keys. The decode then runs on one cache holding each row as
+[prefix | masked gap | own tokens]: the same tokens as "padded", log-probs within float rounding (grouped forwards
+sum in another order; `memopd bench eval` and tests/test_backends.py measure both). VLLMBackend: GPU, prompts
+passed as token ids.
 """
 from __future__ import annotations
 
@@ -98,6 +104,38 @@ def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
+PREFILLS = ("padded", "sorted", "shared")  # HFBackend's prefill: see prefill_groups and shared_prefix_len
+GROUP_SLACK = 0.1  # a prefill group computes at most 10% more positions than its rows' tokens
+MIN_SHARED = 32  # a common prefix shorter than this is prefilled with every row
+
+
+def prefill_groups(lengths: list[int], slack: float = GROUP_SLACK) -> list[list[int]]:
+    """Row indices in groups of similar length, shortest first: a group grows while its rows padded to its longest
+    stay within (1 + slack) x their own tokens (a left-padded batch computes every padded position)."""
+    groups: list[list[int]] = []
+    real = 0
+    for b in sorted(range(len(lengths)), key=lambda b: lengths[b]):
+        if groups and lengths[b] * (len(groups[-1]) + 1) <= (1 + slack) * (real + lengths[b]):
+            groups[-1].append(b)
+            real += lengths[b]
+        else:
+            groups.append([b])
+            real = lengths[b]
+    return groups
+
+
+def shared_prefix_len(prompts: list[list[int]], least: int = MIN_SHARED) -> int:
+    """Length of the prompts' common prefix, leaving every row at least its last token (whose logits start
+    decoding); 0 for a single prompt or a prefix shorter than `least`."""
+    if len(prompts) < 2:
+        return 0
+    n = min(len(q) for q in prompts) - 1
+    first = prompts[0]
+    for q in prompts[1:]:
+        n = next((i for i in range(n) if q[i] != first[i]), n)
+    return n if n >= least else 0
+
+
 @dataclass
 class Generation:
     output_ids: list[int]
@@ -140,8 +178,16 @@ class HFBackend:
     name = "hf"
     make_cache = staticmethod(growing_cache)  # (model config, reserve) -> KV cache; memopd bench decode swaps it
 
-    def __init__(self, model, tokenizer, sampling: Sampling, stop_strings=("</search>", "</answer>")):
-        self.model, self.tokenizer, self.sampling = model.eval(), tokenizer, sampling
+    def __init__(self, model, tokenizer, sampling: Sampling, stop_strings=("</search>", "</answer>"),
+                 prefill: str = "shared"):
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        if prefill not in PREFILLS:
+            raise ValueError(f"prefill must be one of {PREFILLS}, not {prefill!r}")
+        self.model, self.tokenizer, self.sampling, self.prefill = model.eval(), tokenizer, sampling, prefill
+        # the grouped prefills assemble full-attention caches; a sliding-window layer keeps the one padded forward
+        self._plain_cache = all(type(x) is DynamicLayer for x in DynamicCache(config=model.config).layers)
         self.eos = {tokenizer.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
         self.stop_ids, self.stop_strings = stop_token_ids(tokenizer, stop_strings)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -166,19 +212,16 @@ class HFBackend:
         if not prompts:
             return []
         dev, B = self.device, len(prompts)
-        ids, mask, pos = (t.to(dev) for t in left_padded(prompts, self.pad))
         gens = [torch.Generator(device=dev).manual_seed(int(s)) for s in seeds]
         outs: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
         reasons: list[str | None] = [None] * B
         rows = list(range(B))  # original index of each row still in the cache
-        cache = self.make_cache(self.model.config, reserve=self.sampling.max_new_tokens)
-        res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                         **{_CACHE_KW: cache})
-        cache = getattr(res, _CACHE_KW)
-        next_pos = pos[:, -1:] + 1
+        if self.prefill == "padded" or not self._plain_cache:
+            logits, cache, mask, next_pos = self._prefill_padded(prompts)
+        else:
+            logits, cache, mask, next_pos = self._prefill_sorted(prompts, shared=self.prefill == "shared")
         for step in range(self.sampling.max_new_tokens):
-            logits = res.logits[:, -1].float()
             tok = sample_next(logits, self.sampling, [gens[r] for r in rows])
             lp = torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
             keep = []
@@ -198,9 +241,69 @@ class HFBackend:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
             res = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True,
                              **{_CACHE_KW: cache})
-            cache = getattr(res, _CACHE_KW)
+            cache, logits = getattr(res, _CACHE_KW), res.logits[:, -1].float()
             next_pos = next_pos + 1
         return [Generation(outs[b], lps[b], reasons[b] or "length") for b in range(B)]
+
+    def _prefill_padded(self, prompts: list[list[int]]):
+        """(next-token logits (B, V), decode cache, attention mask, next position ids) of one left-padded forward."""
+        ids, mask, pos = (t.to(self.device) for t in left_padded(prompts, self.pad))
+        cache = self.make_cache(self.model.config, reserve=self.sampling.max_new_tokens)
+        res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **{_CACHE_KW: cache})
+        return res.logits[:, -1].float(), getattr(res, _CACHE_KW), mask, pos[:, -1:] + 1
+
+    def _prefill_sorted(self, prompts: list[list[int]], shared: bool):
+        """`_prefill_padded`'s result, prefilled in groups of similar length (little padding computed) and, with
+        `shared`, the batch's common prefix run once. The decode cache holds row b as [prefix | zeros | tail_b]
+        with tails right-aligned; the mask hides the gap, so each row attends to exactly its own tokens."""
+        dev, B = self.device, len(prompts)
+        p = shared_prefix_len(prompts) if shared else 0
+        head = self._prefix_kv(prompts[0][:p]) if p else None
+        tails = [q[p:] for q in prompts]
+        tail_mask = left_padded(tails, self.pad)[1]
+        width = tail_mask.shape[1]
+        logits, kv = None, []
+        for group in prefill_groups([len(t) for t in tails]):
+            out, layers = self._prefill_group([tails[b] for b in group], head)
+            if logits is None:  # buffers in the model's dtype and head shapes, zeros where the mask hides
+                logits = out.new_empty(B, out.shape[-1])
+                kv = [tuple(x.new_zeros(B, x.shape[1], p + width, x.shape[-1]) for x in kv_) for kv_ in layers]
+            idx, n = torch.tensor(group, device=dev), layers[0][0].shape[-2] - p
+            logits[idx] = out
+            for (K, V), (k, v) in zip(kv, layers):
+                K[idx, :, p + width - n :], V[idx, :, p + width - n :] = k[:, :, p:], v[:, :, p:]
+        cache = self.make_cache(self.model.config, reserve=self.sampling.max_new_tokens)
+        for i, ((K, V), h) in enumerate(zip(kv, head or [None] * len(kv))):
+            if h is not None:
+                K[:, :, :p], V[:, :, :p] = h
+            cache.update(K, V, i)
+        mask = torch.cat([torch.ones(B, p, dtype=torch.long), tail_mask], -1).to(dev)
+        return logits, cache, mask, torch.tensor([[len(q)] for q in prompts], device=dev)
+
+    def _prefix_kv(self, prefix: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's (keys, values) of `prefix` run alone, (1, heads, len, dim) each."""
+        from transformers import DynamicCache
+
+        ids = torch.tensor([prefix], device=self.device)
+        res = self.model(input_ids=ids, position_ids=torch.arange(len(prefix), device=self.device)[None],
+                         use_cache=True, logits_to_keep=1, **{_CACHE_KW: DynamicCache(config=self.model.config)})
+        return [(layer.keys, layer.values) for layer in getattr(res, _CACHE_KW).layers]
+
+    def _prefill_group(self, tails: list[list[int]], head):
+        """(next-token logits, every layer's (keys, values)) of one group's tails, left-padded, after `head`."""
+        from transformers import DynamicCache
+
+        ids, mask, pos = (t.to(self.device) for t in left_padded(tails, self.pad))
+        cache, G = DynamicCache(config=self.model.config), len(tails)
+        if head:
+            p = head[0][0].shape[-2]
+            for i, (k, v) in enumerate(head):
+                cache.update(k.expand(G, -1, -1, -1), v.expand(G, -1, -1, -1), i)
+            mask, pos = torch.cat([mask.new_ones(G, p), mask], -1), pos + p
+        res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **{_CACHE_KW: cache})
+        return res.logits[:, -1].float(), [(layer.keys, layer.values) for layer in getattr(res, _CACHE_KW).layers]
 
 
 def _as_list(x):

@@ -1,4 +1,5 @@
-"""`memopd eval`, `memopd rce-rollouts` and `memopd bench decode`: the agent rolled out on benchmarks."""
+"""`memopd eval`, `memopd rce-rollouts`, `memopd bench decode` and `memopd bench eval`: the agent rolled out on
+benchmarks."""
 from __future__ import annotations
 
 import sys
@@ -61,6 +62,49 @@ def cmd_bench_decode(args, cfg):
         print(f"wrote {args.out}")
 
 
+def cmd_bench_eval(args, cfg):
+    import torch
+
+    from memopd.agent import eval_bench
+    from memopd.agent.backends import PREFILLS, Sampling
+
+    existing(args.model)
+    bad = sorted(set(args.paths) - set(PREFILLS))
+    if bad:
+        raise UsageError(f"--paths: unknown prefill paths {bad} (known: {list(PREFILLS)})")
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or old_threads)
+    try:
+        model, tok, work, label = _bench_eval_work(args)
+        rows = eval_bench.run(model, tok, work, Sampling(temperature=0.0, max_new_tokens=args.new_tokens),
+                              paths=tuple(args.paths), repeats=args.repeats, label=label)
+    finally:  # a caller in the same process (the tests) keeps its threads
+        torch.set_num_threads(old_threads)
+    if args.out:
+        write_csv(args.out, eval_bench.rows_as_dicts(rows))
+        print(f"wrote {args.out}")
+
+
+def _bench_eval_work(args):
+    """(model, tokenizer, work, label): real episodes when the benchmark and the index exist, else synthetic prompts."""
+    from transformers import AutoTokenizer
+
+    from memopd.agent import eval_bench
+    from memopd.agent.evaluate import load_retriever, load_tasks
+    from memopd.agent.rollout import AgentConfig
+    from memopd.models import load_model
+
+    model, tok = load_model(args.model, dtype="float32"), AutoTokenizer.from_pretrained(args.model)
+    if eval_bench.has_episodes(args.benchmark, args.index):
+        tasks = load_tasks(args.benchmark, limit=args.limit)
+        agent = AgentConfig(turns={"default": args.turns}, batch_size=args.batch, invalid_action=args.invalid_action)
+        work = eval_bench.episodes_work(tasks, tok, load_retriever(args.index), agent, seed=args.seed)
+        return model, tok, work, f"{Path(args.benchmark).stem}, {len(tasks)} episodes"
+    print(f"no {args.benchmark} or no {args.index}: {args.batch} synthetic prompts instead of episodes", flush=True)
+    prompts = eval_bench.synthetic_prompts(len(tok), args.batch, args.tokens, args.shared_tokens, seed=args.seed)
+    return model, tok, eval_bench.prompts_work(prompts), f"{args.batch} synthetic prompts"
+
+
 def agent_args(sp):
     """The inputs of a step that rolls the agent out on one benchmark."""
     sp.add_argument("--model", required=True, help="model directory")
@@ -90,5 +134,26 @@ def register(cli) -> None:
     sp.add_argument("--tokens", type=int, default=450, help="longest prompt; lengths spread over half to all of it")
     sp.add_argument("--new-tokens", type=int, default=48)
     sp.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats after one warm-up round")
+    sp.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    sp.add_argument("--out", help="CSV file")
+
+    sp = cli.add("bench eval", cmd_bench_eval, "HF generation: the prefill paths side by side on real evaluation "
+                 "episodes (same greedy outputs, time per run)")
+    sp.add_argument("--model", default="results/models/base", help="a model directory (default: the base model)")
+    sp.add_argument("--benchmark", default="results/benchmarks/q2_test.parquet",
+                    help="benchmark parquet; absent (or no --index): synthetic prompts")
+    sp.add_argument("--index", default="results/retrieval/index", help="retrieval index directory")
+    sp.add_argument("--limit", type=int, default=8, help="first N tasks of the benchmark")
+    sp.add_argument("--turns", type=int, default=6, help="turn budget (calls) per episode")
+    sp.add_argument("--invalid-action", choices=("end", "continue"), default="continue",
+                    help="continue: an invalid call is told and the episode goes on (the zero-shot base model "
+                    "answers in prose: its episodes would end after one call)")
+    sp.add_argument("--batch", type=int, default=32, help="episodes (or synthetic prompts) generated together")
+    sp.add_argument("--new-tokens", type=int, default=96, help="max new tokens per call (greedy)")
+    sp.add_argument("--tokens", type=int, default=300, help="synthetic prompts: longest own part (half to all)")
+    sp.add_argument("--shared-tokens", type=int, default=120, help="synthetic prompts: their common prefix")
+    sp.add_argument("--paths", nargs="+", default=["padded", "shared"],
+                    help="prefill paths (memopd.agent.backends.PREFILLS); the first is the baseline")
+    sp.add_argument("--repeats", type=int, default=3, help="timed repeats, after one small untimed call per path")
     sp.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     sp.add_argument("--out", help="CSV file")
