@@ -5,7 +5,8 @@ know nothing of each other.
 A unit is a top-level module (memopd/stats.py: `stats`) or a subpackage (memopd/train/: `train`). The floors,
 lowest first:
 
-  0 foundations    records, cost, losses, metrics, models, tracking, inputs, codegraph, stats, dist, checkpoint
+  0 foundations    records, cost, losses, metrics, models, tracking, inputs, codegraph, stats, dist, checkpoint,
+                   progress
                    and the package's own __init__ (no memopd import at all)
   1 layout         packing, vocab, prefetch
   2 exact forward  attention
@@ -34,7 +35,7 @@ PACKAGE = "memopd"
 
 FLOORS = [
     ("foundations", {"memopd", "records", "cost", "losses", "metrics", "models", "tracking", "inputs", "codegraph",
-                     "stats", "dist", "checkpoint"}),
+                     "stats", "dist", "checkpoint", "progress"}),
     ("layout", {"packing", "vocab", "prefetch"}),
     ("exact forward", {"attention"}),
     ("on the forward", {"rce", "parallel"}),

@@ -122,10 +122,11 @@ def episode_rows(episodes: list[Episode]) -> list[dict]:
 
 
 def evaluate(tasks: list[Task], backend, tokenizer, retriever, agent: AgentConfig, seed: int = 0,
-             progress: bool = True) -> tuple[dict, list[Episode]]:
+             progress: bool = True, label: str = "eval") -> tuple[dict, list[Episode]]:
     stats: dict = {}
     t0 = time.perf_counter()
-    episodes = rollout(tasks, backend, tokenizer, retriever, agent, seed=seed, progress=progress, stats=stats)
+    episodes = rollout(tasks, backend, tokenizer, retriever, agent, seed=seed, progress=progress, stats=stats,
+                       label=label)
     wall = time.perf_counter() - t0
     out = aggregate(episodes, wall)
     out["throughput"] = {"episodes_per_s": len(episodes) / wall if wall else 0.0,
@@ -161,7 +162,7 @@ def rce_rollouts(model, backend, tokenizer, tasks: list[Task], retriever, agent:
     report = {"dtype": dtype, "rules": {}}
     for rule in rules:
         cfg = replace(agent, rule=rule)
-        eps = rollout(tasks, backend, tokenizer, retriever, cfg, seed=seed, progress=progress)
+        eps = rollout(tasks, backend, tokenizer, retriever, cfg, seed=seed, progress=progress, label=f"rce-rollouts {rule}")
         r = rce_report(model, eps, list(backends), dtype=dtype, tolerance=tolerance)
         r["calls"] = sum(len(e.invocations) for e in eps)
         r["retained_tokens"] = sum(s.length for e in eps for i in e.invocations for s in i.retained)
@@ -190,7 +191,7 @@ def evaluate_benchmarks(cfg: dict, agent: AgentConfig, model_dir: str, benchmark
         with tracked(tracking, f"eval-{Path(model_dir).name}-{bench}", cfg, stage="eval", model=Path(model_dir).name,
                      seed=seed, tags={"benchmark": bench, "eval_seed": seed}, parent=run_ref(model_dir)) as run:
             run.log_input(path, "eval")
-            out, episodes = evaluate(tasks, backend, tok, retriever, agent, seed=seed)
+            out, episodes = evaluate(tasks, backend, tok, retriever, agent, seed=seed, label=f"eval {bench}")
             run.log_metrics(eval_metrics(out), 0)  # eval/f1, eval/em, eval/invalid_rate, ... in every eval run
         out.update(model=model_dir, benchmark=path, backend=backend.name, config={**cfg, "seed": seed},
                    # the protocol used (eval overrides or the training rollout's): tables state the budget

@@ -20,6 +20,7 @@ from memopd.agent.memory import REFRESH_OBSERVATION, MemoryConfig, Turn, build_i
 from memopd.agent.protocol import (Action, Observation, Task, invalid_text, parse_response,
                                    prefix_ids, token_prefix_len)
 from memopd import metrics
+from memopd.progress import Progress
 from memopd.records import Episode, Invocation, Retained
 from memopd.retrieval.base import Retriever, format_passages
 
@@ -135,13 +136,13 @@ def _finish(s: _State, cfg: AgentConfig) -> Episode:
 
 
 def rollout(tasks: list[Task], backend, tokenizer, retriever: Retriever, cfg: AgentConfig, seed: int = 0,
-            progress: bool = True, stats: dict | None = None, indices: list[int] | None = None) -> list[Episode]:
+            progress: bool = True, stats: dict | None = None, indices: list[int] | None = None,
+            label: str = "") -> list[Episode]:
     """Roll out every task once; returns the episodes in task order. `stats` (if given) receives the
     wall-clock split: generation, retrieval, total seconds, calls and generated tokens. `indices[i]` is
     task i's index in the sampling seeds (default i): a rank rolling out its share of a larger batch
-    passes the tasks' batch positions, so that every episode is sampled as in a single-process run."""
-    from tqdm.auto import tqdm
-
+    passes the tasks' batch positions, so that every episode is sampled as in a single-process run. `progress`:
+    a line per finished episode under `label` (default rollout[rule])."""
     env = _Env(tokenizer, retriever, cfg)
     queue = deque(range(len(tasks)))
     active: list[_State] = []
@@ -149,7 +150,7 @@ def rollout(tasks: list[Task], backend, tokenizer, retriever: Retriever, cfg: Ag
     t_gen = t_ret = 0.0
     n_calls = n_tokens = 0
     t0 = time.perf_counter()
-    bar = tqdm(total=len(tasks), desc=f"rollout[{cfg.rule}]", disable=not progress, unit="ep")
+    bar = Progress(label or f"rollout[{cfg.rule}]", len(tasks), "episodes", enabled=progress)
     while queue or active:
         while queue and len(active) < cfg.batch_size:
             i = queue.popleft()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from memopd.progress import Progress
 from memopd.records import Episode, load_episodes, save_episodes
 from memopd.report.tables import write_json as _write_json
 from memopd.report.tables import write_table
@@ -50,7 +51,7 @@ def rollout_step(cfg: dict, model_dir: str, benchmark: str, index: str, out: str
     tasks = load_tasks(benchmark, limit=limit)
     agent = AgentConfig.from_dict(cfg["agent"], batch_size=cfg["rollout"]["batch_size"])
     agent = replace(agent, rule=rule, invalid_action=audit.get("invalid_action") or agent.invalid_action)
-    episodes = rollout(tasks, backend, tok, retriever, agent, seed=seed, progress=False)
+    episodes = rollout(tasks, backend, tok, retriever, agent, seed=seed, label=f"audit rollout {rule}")
     out = Path(out)
     save_episodes(out, episodes)
     sampling = backend.sampling if hasattr(backend, "sampling") else None
@@ -307,7 +308,11 @@ def context_updates_step(cfg: dict, model_dir: str, episode_paths: list[str], ou
         by_rule[meta["rule"]] = eps
         metas.append(meta)
     model = _load(model_dir, cfg["dtype"])
-    rows = context_update_rows(model, by_rule, cfg["backends"], dtype=cfg["dtype"])
+    rows, bar = [], Progress("audit context-updates", len(by_rule), "rules")
+    for rule, eps in by_rule.items():  # a rule at a time: a line each
+        rows += context_update_rows(model, {rule: eps}, cfg["backends"], dtype=cfg["dtype"])
+        bar.update(1, note=rule)
+    bar.close()
     calls = {m["rule"]: (m["calls"], m["retained_tokens"]) for m in metas}
     for row in rows:
         row["calls"], row["retained_tokens"] = calls[row["rule"]]

@@ -38,7 +38,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from memopd import parallel
 from memopd.checkpoint import (
@@ -54,6 +53,7 @@ from memopd.checkpoint import (
 )
 from memopd.dist import TIMEOUT_MIN, dist_info
 from memopd.packing import PackingLimitError
+from memopd.progress import Progress
 from memopd.records import Episode
 from memopd.sft.data import StepPlan, bin_pack, example_len, target_len
 from memopd.sft.loss import TargetLoss, target_loss
@@ -281,7 +281,7 @@ def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConf
             ddp = torch.nn.parallel.DistributedDataParallel(ddp, device_ids=None)
         step_loss, scale = ddp, world  # DDP averages gradients over ranks: x world turns that into the sum
     params = [p for p in model.parameters() if p.requires_grad]
-    bar = tqdm(total=total_steps, initial=start, disable=not progress or rank != 0, desc="sft", unit="step")
+    bar = Progress("sft", total_steps, "steps", start=start, enabled=progress and rank == 0)
     done, loss = start, None
     for step in range(start, total_steps):
         t0 = time.perf_counter()
@@ -309,8 +309,7 @@ def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConf
         meta["train_seconds"] += dt
         done = step + 1
         loss = nll.item() / n_step
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+        bar.update(1, note=f"loss {loss:.4f}, lr {lr:.2e}")
         tokens = sum(lengths[i] for b in bins for i in b)
         if log and rank == 0 and (done % cfg.log_every == 0 or done == total_steps):
             log({"train_loss": loss, "lr": lr, "grad_norm": float(grad_norm), "target_tokens": n_step,
