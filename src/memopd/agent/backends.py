@@ -274,9 +274,10 @@ class HFBackend:
             for (K, V), (k, v) in zip(kv, layers):
                 K[idx, :, p + width - n :], V[idx, :, p + width - n :] = k[:, :, p:], v[:, :, p:]
         cache = self.make_cache(self.model.config, reserve=self.sampling.max_new_tokens)
-        for i, ((K, V), h) in enumerate(zip(kv, head or [None] * len(kv))):
-            if h is not None:
-                K[:, :, :p], V[:, :, :p] = h
+        for i in range(len(kv)):
+            (K, V), kv[i] = kv[i], None  # a layer's buffers go once the cache holds them: one layer extra at a time
+            if head:
+                K[:, :, :p], V[:, :, :p] = head[i]
             cache.update(K, V, i)
         mask = torch.cat([torch.ones(B, p, dtype=torch.long), tail_mask], -1).to(dev)
         return logits, cache, mask, torch.tensor([[len(q)] for q in prompts], device=dev)
