@@ -46,13 +46,17 @@ def episodes():
 
 # --- the unchunked reference (all positions at once) --------------------------------------------------------
 
-def _unchunked_compare(ref_logits, logits, targets):
+def _unchunked_compare(ref_logits, logits, targets, tol=None):
+    """The statistics; with fp32 tolerances `tol` (fixed: no magnitude scaling) also the largest error / tolerance."""
     ref_logits, logits = ref_logits.double(), logits.double()
     dlp = (token_logprobs(logits, targets) - token_logprobs(ref_logits, targets)).abs()
-    return {"max_abs_dlogp": dlp.max().item(), "p99_abs_dlogp": torch.quantile(dlp, 0.99).item(),
-            "mean_abs_dlogp": dlp.mean().item(), "max_abs_dlogit": (logits - ref_logits).abs().max().item(),
-            "top1_agreement": (logits.argmax(-1) == ref_logits.argmax(-1)).double().mean().item(),
-            "action_tokens": int(targets.numel())}
+    out = {"max_abs_dlogp": dlp.max().item(), "p99_abs_dlogp": torch.quantile(dlp, 0.99).item(),
+           "mean_abs_dlogp": dlp.mean().item(), "max_abs_dlogit": (logits - ref_logits).abs().max().item(),
+           "top1_agreement": (logits.argmax(-1) == ref_logits.argmax(-1)).double().mean().item(),
+           "action_tokens": int(targets.numel()), "max_abs_logit": ref_logits.abs().max().item()}
+    if tol is not None:
+        out.update(dlogp_over_tol=out["max_abs_dlogp"] / tol["dlogp"], dlogit_over_tol=out["max_abs_dlogit"] / tol["dlogit"])
+    return out
 
 
 @torch.no_grad()
@@ -60,13 +64,13 @@ def _unchunked_rce_backend(model, episodes, backend, tol, ref_logits, layout="ex
     packs = [pack(ep, layout=layout) for ep in episodes]
     logits = torch.cat([packed_logits(model, p, backend) for p in packs])
     targets = torch.cat([p.targets for p in packs])
-    out = rce.gate(_unchunked_compare(ref_logits, logits, targets), tol)
+    out = rce.gate(_unchunked_compare(ref_logits, logits, targets, tol), tol)
     calls, offset = [], 0
     for e, p in enumerate(packs):
         for _, t, m in rce._per_call(p):
             sel = m.nonzero().squeeze(-1) + offset
             calls.append({"episode": e, "task_id": episodes[e].task_id, "call": t,
-                          **rce.gate(_unchunked_compare(ref_logits[sel], logits[sel], targets[sel]), tol)})
+                          **rce.gate(_unchunked_compare(ref_logits[sel], logits[sel], targets[sel], tol), tol)})
         offset += p.targets.numel()
     out["per_call"] = calls
     return out

@@ -67,6 +67,15 @@ RCE_TOLERANCES = {
     "float16": {"dlogp": 2e-2, "dlogit": 6.25e-2},
     "bfloat16": {"dlogp": 0.5, "dlogit": 1.0},
 }
+# Half precision: the tolerances grow with the spacing (ulp) of the row's largest logit
+# (docs/method.md "The bf16 RCE tolerance"): a token passes if each error is <= max(the tolerance above,
+# RCE_ULPS[dtype][q] ulps of that logit). The error of a correct pack is a few ulps of the largest logit at any magnitude (bf16, hidden 2048, 2 or
+# 8 layers: 2 ulps from |20| to |226|), so a fixed bound stops a model whose logits outgrow it, while a pack read
+# one position off reads another position's logits, > 20x the allowed error at every magnitude from |20|. The
+# ulp counts are the fixed tolerances' own in [16, 32) (bf16 |d logit| 1.0 = 8 ulps of 0.125, |d log p| 0.5 = 4;
+# fp16 |d logit| 4 ulps of 2^-6, |d log p| 1), so nothing changes below |32|. fp32 keeps its fixed bounds.
+RCE_ULPS = {"bfloat16": {"dlogp": 4, "dlogit": 8}, "float16": {"dlogp": 1, "dlogit": 4}}
+MANTISSA_BITS = {"float32": 23, "bfloat16": 7, "float16": 10}
 
 
 # Action positions per full-vocabulary chunk: at most (CHUNK, V) logits of each side are alive at a time
@@ -108,8 +117,23 @@ def tolerance_fields(tol: dict[str, float]) -> dict[str, float]:
 
 
 def failed_quantities(stats: dict, tol: dict[str, float]) -> list[str]:
-    """The quantities ("dlogp", "dlogit") whose max exceeds its tolerance (NaN fails)."""
-    return [q for q, (key, _) in QUANTITIES.items() if not stats[key] <= tol[q]]
+    """The quantities ("dlogp", "dlogit") whose max exceeds its tolerance (NaN fails): per token against its
+    magnitude-scaled tolerance where `stats` has it (`{q}_over_tol`, the largest error / allowed ratio)."""
+    return [q for q, (key, _) in QUANTITIES.items()
+            if not (stats[f"{q}_over_tol"] <= 1.0 if f"{q}_over_tol" in stats else stats[key] <= tol[q])]
+
+
+def ulp(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    """The spacing of `dtype` numbers at |x| (float64): 2^(floor(log2 |x|) - mantissa bits)."""
+    x = x.double().abs().clamp_min(torch.finfo(torch.float64).tiny)
+    return torch.exp2(torch.floor(torch.log2(x)) - MANTISSA_BITS[dtype])
+
+
+def allowed(scale: torch.Tensor, tol: dict[str, float], dtype: str) -> dict[str, torch.Tensor]:
+    """Per-token tolerances: max(tol[q], RCE_ULPS[dtype][q] ulps of the row's largest |logit| `scale`)."""
+    k = RCE_ULPS.get(dtype)
+    step = ulp(scale, dtype) if k else torch.zeros_like(scale, dtype=torch.float64)
+    return {q: (step * (k[q] if k else 0)).clamp_min(tol[q]) for q in QUANTITIES}
 
 
 def gate(stats: dict, tol: dict[str, float]) -> dict:
@@ -130,23 +154,28 @@ def spans(n: int, size: int = CHUNK) -> list[tuple[int, int]]:
 
 def token_stats(ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
     """(n, V), (n, V), (n,) -> per-token values: "dlogp" |d log p| of the target (fp32, as `token_logprobs`
-    rounds), "dlogit" the row's full-vocabulary max |d logit| (float64), "top1" argmax agreement (bool)."""
+    rounds), "dlogit" the row's full-vocabulary max |d logit| (float64), "top1" argmax agreement (bool), "scale"
+    the reference row's largest |logit| (what the half-precision tolerances grow with: `allowed`)."""
     ref_logits, logits = ref_logits.double(), logits.double()
     dlp = (token_logprobs(logits, targets) - token_logprobs(ref_logits, targets)).abs()
     return {"dlogp": dlp, "dlogit": (logits - ref_logits).abs().amax(-1),
-            "top1": logits.argmax(-1) == ref_logits.argmax(-1)}
+            "top1": logits.argmax(-1) == ref_logits.argmax(-1),
+            "scale": torch.maximum(ref_logits.amax(-1), -ref_logits.amin(-1))}  # no (n, V) |logits| copy
 
 
 def cat_stats(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {k: torch.cat([p[k] for p in parts]) for k in ("dlogp", "dlogit", "top1")}
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
-def summarize(tok: dict[str, torch.Tensor], index: torch.Tensor | None = None) -> dict:
-    """The RCE statistics of per-token values (`token_stats`), over `index` (default: all tokens)."""
+def summarize(tok: dict[str, torch.Tensor], index: torch.Tensor | None = None,
+              allow: dict[str, torch.Tensor] | None = None) -> dict:
+    """The RCE statistics of per-token values (`token_stats`), over `index` (default: all tokens); with `allow`
+    (per-token tolerances, `allowed`) also each quantity's largest error / tolerance ratio ({q}_over_tol)."""
     if index is not None:
         tok = {k: v[index.to(v.device)] for k, v in tok.items()}
+        allow = {q: v[index.to(v.device)] for q, v in allow.items()} if allow is not None else None
     dlp = tok["dlogp"]
-    return {
+    out = {
         "max_abs_dlogp": dlp.max().item(),
         "p99_abs_dlogp": torch.quantile(dlp, 0.99).item(),
         "mean_abs_dlogp": dlp.mean().item(),
@@ -154,6 +183,11 @@ def summarize(tok: dict[str, torch.Tensor], index: torch.Tensor | None = None) -
         "top1_agreement": tok["top1"].double().mean().item(),
         "action_tokens": int(dlp.numel()),
     }
+    if "scale" in tok:
+        out["max_abs_logit"] = tok["scale"].max().item()
+    if allow is not None:
+        out.update({f"{q}_over_tol": (tok[q].double() / allow[q]).max().item() for q in QUANTITIES})
+    return out
 
 
 def compare(ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, chunk: int = CHUNK) -> dict:
@@ -219,8 +253,16 @@ def rce_backend(model, episodes: list[Episode], backend: str, tolerance: float |
     on both quantities; `tolerance` as in `tolerances(dtype, tolerance)`. The reference: `ref_hidden` (the
     independent calls' final hidden states, (N, H)), else `ref_logits` ((N, V)), else computed here call by
     call; the comparison runs `chunk` action positions at a time (see the module docstring)."""
-    tol = tolerances(dtype, tolerance)
     packs = [pack(ep, max_len=max_len, layout=layout) for ep in episodes]
+    return rce_packs(model, episodes, packs, backend, tolerance, ref_logits, dtype, ref_hidden, chunk)
+
+
+@torch.no_grad()
+def rce_packs(model, episodes: list[Episode], packs: list[Packed], backend: str, tolerance: float | dict | None = None,
+              ref_logits: torch.Tensor | None = None, dtype: str = "float32", ref_hidden: torch.Tensor | None = None,
+              chunk: int = CHUNK) -> dict:
+    """`rce_backend` of given packs (one per episode, in order): each token gated against `allowed`."""
+    tol = tolerances(dtype, tolerance)
     if ref_logits is None and ref_hidden is None:
         ref_hidden = independent_hidden(model, episodes)
     parts, offset = [], 0
@@ -232,12 +274,13 @@ def rce_backend(model, episodes: list[Episode], backend: str, tolerance: float |
             del ref, logits
         offset += p.targets.numel()
     tok = cat_stats(parts)
-    out = {**gate(summarize(tok), tol), **tolerance_fields(tol)}
+    allow = allowed(tok["scale"], tol, dtype)
+    out = {**gate(summarize(tok, allow=allow), tol), **tolerance_fields(tol)}
     calls, offset = [], 0
     for e, p in enumerate(packs):
         for _, t, m in _per_call(p):
             calls.append({"episode": e, "task_id": episodes[e].task_id, "call": t,
-                          **gate(summarize(tok, m.nonzero().squeeze(-1) + offset), tol)})
+                          **gate(summarize(tok, m.nonzero().squeeze(-1) + offset, allow), tol)})
         offset += p.targets.numel()
     out["per_call"] = calls
     return out
@@ -282,8 +325,11 @@ def failure_message(r: dict, backend: str, tol: dict[str, float], dtype: str | N
     parts = []
     for q in failed_quantities(r, tol):
         key, label = QUANTITIES[q]
-        worst = max(r["per_call"], key=lambda c: c[key] if c[key] == c[key] else float("inf"))  # NaN is worst
-        parts.append(f"max {label} {r[key]:.3g} > {tol[q]:g} (worst: episode {worst['episode']} task "
+        rank = f"{q}_over_tol" if f"{q}_over_tol" in r else key
+        worst = max(r["per_call"], key=lambda c: c[rank] if c[rank] == c[rank] else float("inf"))  # NaN is worst
+        grown = f" or {RCE_ULPS[dtype][q]} ulps of the row's largest logit (|logit| up to {r['max_abs_logit']:.3g}; " \
+                f"{r[rank]:.3g}x its tolerance)" if RCE_ULPS.get(dtype) and "max_abs_logit" in r else ""
+        parts.append(f"max {label} {r[key]:.3g} > {tol[q]:g}{grown} (worst: episode {worst['episode']} task "
                      f"{worst['task_id']!r} call {worst['call']})")
     where = f"backend {backend}" + (f" ({dtype})" if dtype else "")
     return f"RCE failed for {where}: " + "; ".join(parts)

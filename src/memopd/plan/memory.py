@@ -59,9 +59,10 @@ S ways a model is sharded (W under FSDP, else 1), G = plan.gpu_memory_gb.
   compared hidden      (N + N_pack) * h * b           the reference's final hidden states at all N action
                                                       tokens (independent calls, run one at a time) + one
                                                       pack's, from which the chunks' logits are computed
-  per-token values     N * 32                         what the statistics are reduced from: |d log p| (4),
-                                                      the row's max |d logit| (8), top-1 (1), targets (8), and
-                                                      a call's copies (an allowance)
+  per-token values     N * 56                         what the statistics are reduced from: |d log p| (4),
+                                                      the row's max |d logit| (8), top-1 (1), targets (8), the
+                                                      row's largest |logit| (8) and the two tolerances it gives
+                                                      (16, rce.allowed), and a call's copies (an allowance)
   KV cache             tokens * L * 2 * kv * b        keys and values of every layer
   vLLM engine          util * G                       an engine takes gpu_memory_utilization of the whole GPU
                                                       at start; inside it: weights + KV of one max_model_len
@@ -109,7 +110,7 @@ COMPARE_CHUNK = 1024
 RCE_BYTES = 32  # rce.token_stats: float64 copies of both logits (8 + 8), then logits - ref (8) and its .abs() (8)
 STATE_BYTES = 16  # audit.alignment.state_rows, one side at a time: float64 logits and their float64 log-softmax
 DIVERGENCE_BYTES = 56  # teacher_divergence: two float64 logits, two log-softmaxes, exp, difference, product
-TOKEN_BYTES = 32  # per-token values the statistics are reduced from (see "per-token values")
+TOKEN_BYTES = 56  # per-token values the statistics are reduced from (see "per-token values")
 
 
 # ------------------------------------------------------------------------------------------------ formulas
