@@ -59,15 +59,17 @@ DEFAULTS = {
     # paths whose RCE is measured but not their time: the one-by-one reference, eager (a dense mask, slower than
     # sdpa's) and flex (on a CPU: forward only, compiled per length; set [] on a GPU)
     "untimed": ["independent_sequential", "packed_eager", "packed_flex"],
+    "device": "cpu",  # where the sweep's model runs ("cuda": tests/gpu/check.sh)
 }
 
 
-def _model(spec: dict, seed: int):
+def _model(spec: dict, seed: int, device: str = "cpu"):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen2Config(**spec, max_position_embeddings=8192, tie_word_embeddings=False, use_sliding_window=False)
-    return Qwen2ForCausalLM(cfg).eval()
+    with torch.device(device):  # initialised where it runs: a 3B-sized layer stack is slow to initialise on a CPU
+        return Qwen2ForCausalLM(cfg).eval()
 
 
 def flop_ratio(episodes: list[Episode], model) -> float:
@@ -261,7 +263,7 @@ def calibrate(rows: list[dict]) -> dict[str, dict[str, float]]:
 def run_sweep(cfg: dict | None = None, seed: int = 0, repeats: int = 3, log=print) -> list[dict]:
     """The synthetic sweep: calls x prefix_tokens configurations on the benchmark's own tiny model."""
     cfg = {**DEFAULTS, **(cfg or {})}
-    model = _model(cfg["model"], seed)
+    model = _model(cfg["model"], seed, cfg["device"])
     vocab = cfg["model"]["vocab_size"]
     rows = []
     log(HEADER)

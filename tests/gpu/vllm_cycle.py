@@ -1,0 +1,66 @@
+"""vLLM sleep -> allocation -> wake-up -> weight update, as a training step runs it (train/weight_sync.py): the engine
+sleeps, the update takes ~60 GB (GPU_CHECK_ALLOC_GB) and frees it, the engine wakes and takes the policy's weights.
+With `free_cached_memory` (empty_cache) first the wake-up must succeed; without it PyTorch's allocator still holds the
+60 GB, and the outcome is reported. Exit 75 (skip) without vllm or the model's weights in the Hugging Face cache."""
+from __future__ import annotations
+
+import os
+import sys
+
+MODEL = os.environ.get("GPU_CHECK_MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
+
+
+def cycle(llm, sync, policy, gb: float, empty: bool) -> str:
+    """Sleep, allocate and free `gb` GB as an update would, then wake and sync: through WeightSync.sync (its
+    empty_cache first) or, `empty` False, waking directly."""
+    import torch
+
+    from memopd.train.weight_sync import engine_model, policy_weights
+
+    sync.release()  # sleep level 1
+    block = torch.empty(int(gb * 1e9), dtype=torch.uint8, device="cuda")
+    block.fill_(1)
+    del block
+    reserved = torch.cuda.memory_reserved() / 1e9
+    if empty:
+        sync.sync(policy)  # free_cached_memory, wake_up, load_weights
+    else:
+        llm.wake_up()
+        sync.asleep = False
+        engine_model(llm).load_weights(weights=policy_weights(policy))
+    out = llm.generate(["The capital of France is"], use_tqdm=False)[0].outputs[0].text
+    return f"{'with' if empty else 'without'} empty_cache: {reserved:.1f} GB reserved at wake-up, generated {out!r:.30}"
+
+
+def main() -> int:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import vllm  # noqa: F401
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(MODEL, local_files_only=True)
+    except Exception as e:  # no vllm here, or the weights are not cached: nothing to check
+        print(f"skip: {type(e).__name__}: {e}")
+        return 75
+    from transformers import AutoModelForCausalLM
+
+    from memopd.train.weight_sync import WeightSync, colocated_llm
+
+    llm = colocated_llm(path, {"dtype": "bfloat16", "vllm": {"max_model_len": 4096}},
+                        {"gpu_memory_utilization": 0.3, "sleep": True}, seed=0)
+    sync = WeightSync(llm, sleep=True)
+    policy = AutoModelForCausalLM.from_pretrained(path, torch_dtype="float32").cuda()
+    gb = float(os.environ.get("GPU_CHECK_ALLOC_GB", "60"))
+    print(cycle(llm, sync, policy, gb, empty=True), flush=True)
+    try:
+        print(cycle(llm, sync, policy, gb, empty=False), flush=True)
+        without = "without empty_cache: woke too"
+    except Exception as e:  # the failure free_cached_memory exists for
+        without = f"without empty_cache: {type(e).__name__}: {str(e)[:80]}"
+    print(f"with empty_cache: woke, synced and generated; {without}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
