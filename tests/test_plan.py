@@ -376,6 +376,22 @@ def test_resume_host_memory_by_hand():
     assert s.host_peak() == pytest.approx(8 * 4e9 + P7 * 12) and s.host_peak() <= s.mem_limit
 
 
+def test_a_resume_that_does_not_fit_is_refused_naming_its_term():
+    """Without the dense index (BM25) the training job's steady host memory is 188.8 GB and its resume 238.2 GB:
+    at mem_mb 200,000 the resume is what does not fit, and the refusal names its largest term."""
+    from memopd.plan import plan
+
+    w = _cfg()
+    w["retrieval"]["backend"] = "bm25"
+    w["resources"]["rules"]["train"]["mem_mb"] = 200000
+    (job,) = plan(w, {"train"})
+    resume = 4 * 4e9 + (P3 + P_CRITIC) * (4 + 4 * 8)
+    steady = 4 * 4e9 + 4 * (P3 + P_CRITIC) * 4 + (P3 + P_CRITIC) * 8 + 4 * P3 * 2  # processes, gather, sleep offload
+    assert job.host_peak() == pytest.approx(resume) and steady < 200e9 < resume
+    assert any(f.startswith(f"train: needs {resume / 1e9:.1f} GB host memory > mem_mb 200000; largest: AdamW state "
+                            "(torch.load) 197.5 GB") for f in job.failures()), job.failures()
+
+
 def test_the_table_quotes_each_gpu_jobs_headroom():
     """gpu_headroom_gb = the GPU's 80 GB less the job's peak; empty for CPU jobs."""
     from memopd.plan import plan, rows
