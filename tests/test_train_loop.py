@@ -478,3 +478,18 @@ def test_memory_settings_are_not_part_of_a_runs_identity():
     clipped = {**cfg, "train": {**train, "ppo": {"clip": 0.1, "chunk_size": 512}}}
     assert run_identity(cfg, "memopd", 0) != run_identity(clipped, "memopd", 0)
     assert cfg["train"]["ppo"] == {"clip": 0.2, "chunk_size": 512}  # the config itself is left as it was
+
+
+def test_a_training_run_prints_its_progress_with_the_time_left(setup, tmp_path, capsys):
+    """One line per step into a log file: the step count of the run (a resumed run counts on from its
+    checkpoint) and the time left at this process's pace, which after 1 of 2 steps equals the time elapsed."""
+    d, cfg = setup
+    short = {**cfg, "train": {**cfg["train"], "steps": 2}}
+    _run((d, short), tmp_path / "run", method="ppo", stop_after=1)
+    _run((d, short), tmp_path / "run", method="ppo")
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("ppo seed 0: ")]
+    pattern = r"ppo seed 0: (\d)/2 steps, (\w+) elapsed, ~(\w+) left"
+    parsed = [re.fullmatch(pattern, x).groups() for x in lines]
+    assert [p[0] for p in parsed] == ["1", "2"], lines
+    assert parsed[0][2] == parsed[0][1]  # 1 step in t s, 1 step left: t s
+    assert parsed[1][2] == "0s"  # resumed at step 1, the last step done

@@ -48,6 +48,7 @@ import torch
 from memopd import parallel
 from memopd.checkpoint import load_tensors, save_tensors
 from memopd.dist import dist_info, gather, setup_distributed
+from memopd.progress import Progress
 from memopd.train.config import RunConfig
 from memopd.train.ppo import ValueModel, ppo_update
 from memopd.vocab import check_model_dirs
@@ -272,10 +273,8 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     agent = AgentConfig.from_dict(cfg["agent"], batch_size=rcfg["batch_size"])
     schedule = task_order(len(tasks), run.steps, run.batch_tasks, seed)  # the same on every rank
     history = []
-    from tqdm.auto import tqdm
-
-    for step in tqdm(range(start, run.steps), desc=f"{method} seed {seed}", initial=start, total=run.steps,
-                     disable=rank != 0):
+    bar = Progress(f"{method} seed {seed}", run.steps, "steps", start=start, enabled=rank == 0)
+    for step in range(start, run.steps):
         t0 = time.perf_counter()
         mine = list(range(rank, run.batch_tasks, world))  # this rank's positions in the batch
         t_sync = sync.sync(policy) if sync is not None else None
@@ -311,8 +310,11 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
                             metrics=lines)
         if world > 1:
             torch.distributed.barrier()  # no rank runs ahead of a checkpoint that may be resumed from
+        bar.update(1)
         if stop_after is not None and done - start >= stop_after:
+            bar.close()
             return history
+    bar.close()
     # exported in train.dtype (what evaluation and vLLM load); the checkpoint keeps the fp32 master weights
     state = {k: v.to(DTYPES[run.dtype]) for k, v in parallel.full_state_dict(policy).items()}  # collective if sharded
     if rank == 0:
