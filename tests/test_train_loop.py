@@ -285,10 +285,11 @@ def test_the_train_section_is_typed_once_with_the_schemas_defaults():
         RunConfig.from_section({**least, "activation_checkpointing": True, "ppo": {"backend": "prefix_shared"}}, "ppo", 0)
 
 
-def test_tied_weights_checkpoint_and_export_round_trip(tmp_path):
+def test_tied_weights_checkpoint_and_export_round_trip(tmp_path, monkeypatch):
     """SmolLM2 and Qwen2.5-3B tie lm_head to embed_tokens; safetensors' save_file refuses shared tensors
     (the first training checkpoint of a tied model crashed). The checkpoint stores the tied tensor once
-    and resumes to identical, still tied weights and optimizer state; the export loads back tied."""
+    and resumes to identical, still tied weights and optimizer state; the export loads back tied. state.pt is
+    read memory-mapped (one copy of its pages for every rank of a node: the plan's resume term)."""
     import copy
 
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -314,7 +315,10 @@ def test_tied_weights_checkpoint_and_export_round_trip(tmp_path):
     fresh = tied(1)
     fresh_critic = ValueModel(copy.deepcopy(fresh))
     a2, c2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2), torch.optim.AdamW(fresh_critic.parameters(), lr=1e-2)
+    loads, torch_load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda f, **kw: loads.append((f, kw.get("mmap"))) or torch_load(f, **kw))
     assert load_checkpoint(tmp_path / "ckpt", fresh, fresh_critic, a2, c2) == 3
+    assert loads == [(tmp_path / "ckpt/state.pt", True)]
     for (k, v), w in zip(policy.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(v, w), k
     assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()  # still tied

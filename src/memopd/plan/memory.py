@@ -86,8 +86,9 @@ S ways a model is sharded (W under FSDP, else 1), G = plan.gpu_memory_gb.
                                                       the scoring / update peak stays reserved
   sync tensor          V * h * 4                      a sync gathers one whole fp32 tensor at a time (the
                                                       largest: the embedding)
-  resume (host)        (P + P_c) * (4 + 8 W)          train: safetensors maps the weights (page cache the ranks
-                                                      share), every rank torch.loads state.pt whole (AdamW 8 B);
+  resume (host)        (P + P_c) * 12                 train: safetensors maps the weights (4 B), checkpoint.
+                                                      read_state maps state.pt (AdamW 8 B): page cache the
+                                                      ranks of the node share, one copy;
                        P * 12                         SFT: both mapped (checkpoint.read_state), one copy; a
                                                       resume holds nothing else yet (the index loads after it)
 

@@ -76,7 +76,7 @@ def plan_train(cfg: dict) -> list[Job]:
         _train_wake(job, pol)
     if job.gpus:
         _train_load(job, cfg, pol, tea if opd else None, dt)
-        _train_resume(job, w, pol.params, pc)
+        _train_resume(job, pol.params, pc)
     _retriever(job, cfg, copies=w)
     runs = len(t["methods"]) * len(t["seeds"])
     job.disk["exports"] = (runs * pol.params * BYTES[dt], f"{runs} runs x P x {BYTES[dt]} B")
@@ -116,13 +116,13 @@ def _train_wake(job: Job, pol: Spec) -> None:
     job.add("wake-up", "sync: one whole tensor", pol.vocab * pol.hidden * 4, "V x h x 4 B (the fp32 embedding, gathered)")
 
 
-def _train_resume(job: Job, w: int, p: int, pc: int) -> None:
-    """A resume (train/loop.load_checkpoint), before the index loads: safetensors maps policy and critic (page cache
-    the node's ranks share) and every rank reads state.pt whole with torch.load, without mmap: its own copy of the
-    whole AdamW state (checkpoint.read_state's mmap would make it one shared copy of 8 (P + P_critic) B)."""
+def _train_resume(job: Job, p: int, pc: int) -> None:
+    """A resume (train/loop.load_checkpoint), before the index loads: safetensors maps policy and critic and
+    checkpoint.read_state maps state.pt, so the node's ranks share one copy of each file's pages and copy to their
+    GPUs only what they keep (a replica, or their shards)."""
     job.add_host("resume", "weights (mapped)", (p + pc) * 4, "(P + P_critic) x 4 B, page cache shared by the ranks")
-    job.add_host("resume", "AdamW state (torch.load)", w * (p + pc) * 8,
-                 f"{w} ranks x (P + P_critic) x 8 B: each rank's copy of state.pt")
+    job.add_host("resume", "AdamW state (mapped)", (p + pc) * 8,
+                 "(P + P_critic) x 8 B: state.pt, page cache shared by the ranks")
 
 
 def _sft_job(cfg: dict, rule: str, role: str, seq_len: int) -> Job:

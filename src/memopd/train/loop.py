@@ -21,7 +21,7 @@ by rank 0, and resume with any number of ranks.
 Files in the run directory:
   metrics.jsonl        one JSON object per step (rewards, losses, RCE error, step-time breakdown)
   checkpoint/          policy + critic (safetensors), optimizers, RNG states and the next step
-                       (torch.save of tensors only, read back with weights_only=True); meta.json: the
+                       (torch.save of tensors only, read back memory-mapped with weights_only=True); meta.json: the
                        step and the run's identity (`run_identity`); metrics.jsonl: the steps before it
   model/               the final policy (safetensors + tokenizer), evaluated like any model
 
@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from memopd import parallel
-from memopd.checkpoint import load_tensors, save_tensors
+from memopd.checkpoint import load_tensors, read_state, save_tensors
 from memopd.dist import dist_info, gather, setup_distributed
 from memopd.progress import Progress
 from memopd.train.config import RunConfig
@@ -110,7 +110,7 @@ def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt
 def load_checkpoint(path: Path, policy, critic, actor_opt, critic_opt) -> int:
     parallel.load_full_state_dict(policy, load_tensors(path / "policy.safetensors"))
     parallel.load_full_state_dict(critic, load_tensors(path / "critic.safetensors"))
-    state = torch.load(path / "state.pt", weights_only=True, map_location="cpu")  # the optimizers move it
+    state = read_state(path)  # mapped: a node's ranks share the file's pages, each copies only the shards it keeps
     parallel.load_optimizer_state(policy, actor_opt, state["actor_opt"])
     parallel.load_optimizer_state(critic, critic_opt, state["critic_opt"])
     torch.set_rng_state(state["torch"])
