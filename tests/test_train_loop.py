@@ -204,17 +204,17 @@ def _two_ranks(setup, out, stop_after=None):
 @pytest.mark.parametrize("shard", ["none", "fsdp"])
 def test_two_ranks_train_like_one(setup, tmp_path, shard):
     """train_run under 2 gloo ranks (what torchrun runs): each rank rolls out and scores its share,
-    gradients are summed, rank 0 alone writes metrics, checkpoint and model. With rollouts batched one
-    episode at a time (no padding effects) the episodes, metrics and weights are the single process's.
-    With `train.shard: fsdp` (FSDP2 on CPU/gloo) the ranks generate with the gathered policy, every rank
-    gathers the checkpoint's tensors, and a run killed after step 1 resumes from that checkpoint."""
+    gradients are summed, rank 0 alone writes metrics and model, every rank its part of the checkpoint. With
+    rollouts batched one episode at a time (no padding effects) the episodes, metrics and weights are the single
+    process's. With `train.shard: fsdp` (FSDP2 on CPU/gloo) the ranks generate with the gathered policy, and a run
+    killed after step 1 resumes from that checkpoint."""
     d, cfg = setup
     cfg = {**cfg, "rollout": {**cfg["rollout"], "batch_size": 1}}
     single = _run((d, cfg), tmp_path / "one", method="memopd_persistent")
     cfg = {**cfg, "train": {**cfg["train"], "shard": shard}}
     if shard == "fsdp":
         _two_ranks((d, cfg), tmp_path / "two", stop_after=1)
-        assert not (tmp_path / "two/model").exists() and (tmp_path / "two/checkpoint/state.pt").exists()
+        assert not (tmp_path / "two/model").exists() and (tmp_path / "two/checkpoint/.metadata").exists()
     _two_ranks((d, cfg), tmp_path / "two")
     lines = [json.loads(x) for x in (tmp_path / "two/metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2] and all(m["world_size"] == 2 for m in lines)
@@ -227,7 +227,8 @@ def test_two_ranks_train_like_one(setup, tmp_path, shard):
     w1, w2 = (load_file(tmp_path / f"{n}/model/model.safetensors") for n in ("one", "two"))
     # measured ~6e-8 (float sums in another order); a wrong gradient scale moves them by ~lr = 1e-4
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-5
-    assert (tmp_path / "two/checkpoint/state.pt").exists()
+    assert {f.name for f in (tmp_path / "two/checkpoint").iterdir()} == {
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json", "metrics.jsonl"}
 
 
 def test_cli_train_writes_metrics_and_exports_the_policy(setup, tmp_path, capsys):

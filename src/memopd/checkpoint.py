@@ -7,13 +7,22 @@ A checkpoint directory holds
   meta.json          step (the data position: the next optimizer step), fingerprint of the run,
                      accumulated train seconds, tracking run id
 It is written to `<dir>.tmp` and swapped in, so a kill while saving leaves the previous checkpoint.
+
+Sharded checkpoints (torch.distributed.checkpoint, "DCP"; training under a process group): every rank copies the
+tensors it holds to host memory, then writes them in a background thread while training goes on: its FSDP shards,
+and its share of the tensors every rank holds whole (each such tensor is written by one rank), into
+`__<rank>_0.distcp`; rank 0 then writes `.metadata`, the index of which file holds which piece. A resume with any
+number of ranks reads only the pieces of the tensors it holds.
 """
 from __future__ import annotations
 
 import json
 import random
 import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -118,3 +127,53 @@ def load_checkpoint(meta: dict, model, optimizer, scheduler) -> None:
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
+
+
+SHARDED_INDEX = ".metadata"  # written last by torch.distributed.checkpoint: the directory is a whole sharded checkpoint
+
+
+def is_sharded(path: str | Path) -> bool:
+    return (Path(path) / SHARDED_INDEX).exists()
+
+
+@dataclass
+class PendingSave:
+    """A sharded checkpoint being written in the background. `finish` (rank 0's: what makes the written files the
+    checkpoint a resume reads) runs in `complete`, once every rank's files are written: the future of the
+    coordinating rank resolves only after it has gathered every rank's write results."""
+    future: Future
+    finish: Callable[[], None] | None = None
+
+    def ready(self) -> bool:
+        return self.future.done()
+
+    def complete(self) -> None:
+        self.future.result()  # a failed write raises here, in the training loop
+        finish, self.finish = self.finish, None
+        if finish is not None:
+            finish()
+
+
+def save_sharded(state: dict, path: str | Path, group, finish: Callable[[], None] | None = None) -> PendingSave:
+    """Every rank of `group` (a gloo group of its own: the writer thread's collectives must not interleave with the
+    training's): copy `state` (nested dicts of tensors, DTensor shards) to host memory, then write it into `path` in
+    a background thread. Returns once the copy is taken; the tensors may change from then on."""
+    import torch.distributed.checkpoint as dcp
+
+    future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(path)), process_group=group)
+    return PendingSave(future, finish)
+
+
+def load_sharded(state: dict, path: str | Path, required: list[str]) -> None:
+    """Fill `state` (as given to `save_sharded`, any number of ranks) in place from the sharded checkpoint at
+    `path`. Keys the checkpoint lacks are left as they are, except the flattened `required` ones (e.g.
+    "policy.lm_head.weight"), which raise: optimizer state of a parameter that never had a gradient is legitimately
+    absent, a weight never."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing = sorted(k for k in required if k not in stored)
+    if missing:
+        raise KeyError(f"{path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), planner=DefaultLoadPlanner(allow_partial_load=True))

@@ -73,8 +73,10 @@ S ways a model is sharded (W under FSDP, else 1), G = plan.gpu_memory_gb.
                                                       (page cache its processes share; passages.arrow is
                                                       mapped too, touched at hit rows only); + per process
                                                       a search block; building: one shard at a time
-  checkpoint (host)    W * 4 * (P + P_c) + 8 * (P+P_c) train: every rank gathers whole fp32 policy + critic,
-                                                      rank 0 also the AdamW state (train/loop.save_checkpoint)
+  checkpoint (host)    W * 12 * (P + P_c) / S         train, W > 1: every rank copies what it holds (fp32
+                                                      weights + AdamW state) to host memory and writes it in the
+                                                      background (train/loop.save_sharded_checkpoint); one
+                                                      process: 12 * (P + P_c), whole (save_checkpoint)
   load (train)         3 * P * 4 + P_T * b + util*G    before fully_shard every rank holds the fp32 policy, its
                                                       deep copies (reference; critic before it keeps its first
                                                       layers) and the teacher whole, beside the vLLM engine's
@@ -86,9 +88,9 @@ S ways a model is sharded (W under FSDP, else 1), G = plan.gpu_memory_gb.
                                                       the scoring / update peak stays reserved
   sync tensor          V * h * 4                      a sync gathers one whole fp32 tensor at a time (the
                                                       largest: the embedding)
-  resume (host)        (P + P_c) * 12                 train: safetensors maps the weights (4 B), checkpoint.
-                                                      read_state maps state.pt (AdamW 8 B): page cache the
-                                                      ranks of the node share, one copy;
+  resume (host)        (P + P_c) * 12 (+ W*2*V*h*4/S) train: the checkpoint's files cached once per node
+                                                      (one process: mapped; W > 1: each rank reads its pieces
+                                                      of the sharded checkpoint, one tensor at a time);
                        P * 12                         SFT: both mapped (checkpoint.read_state), one copy; a
                                                       resume holds nothing else yet (the index loads after it)
 

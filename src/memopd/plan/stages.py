@@ -68,15 +68,17 @@ def plan_train(cfg: dict) -> list[Job]:
         _fsdp(job, "update", pol, dt, 2, "2 models x ")
     c = t["ppo"]["chunk_size"]
     job.add("update", "loss chunk", (2 if opd else 1) * c * pol.vocab * 16, f"{2 if opd else 1} x {c} x V x 16 B")
-    if job.gpus:  # a checkpoint: every rank gathers whole fp32 policy + critic on the CPU, rank 0 also AdamW's state
-        job.host["checkpoint gather"] = (w * (pol.params + pc) * 4 + (pol.params + pc) * 8,
-                                         f"{w} ranks x (P + P_critic) x 4 B + (P + P_critic) x 8 B")
+    if job.gpus > 1:  # a sharded checkpoint: every rank copies what it holds (its shards, or a replica) to host memory
+        job.host["checkpoint staging"] = (w * (pol.params + pc) * 12 / s,
+                                          f"{w} ranks x (P + P_critic) x (4 + 8) B / {s}, held while written")
+    elif job.gpus:  # one process: whole fp32 policy + critic and AdamW's state on the CPU
+        job.host["checkpoint gather"] = ((pol.params + pc) * 12, "1 ranks x (P + P_critic) x 4 B + (P + P_critic) x 8 B")
     if sleeping:
         job.host["vLLM sleep offload"] = (w * pol.weights("bfloat16"), f"{w} x P x 2 B (sleep level 1)")
         _train_wake(job, pol)
     if job.gpus:
         _train_load(job, cfg, pol, tea if opd else None, dt)
-        _train_resume(job, pol.params, pc)
+        _train_resume(job, pol.params, pc, w, s, pol.vocab * pol.hidden * 4)
     _retriever(job, cfg, copies=w)
     runs = len(t["methods"]) * len(t["seeds"])
     job.disk["exports"] = (runs * pol.params * BYTES[dt], f"{runs} runs x P x {BYTES[dt]} B")
@@ -116,13 +118,18 @@ def _train_wake(job: Job, pol: Spec) -> None:
     job.add("wake-up", "sync: one whole tensor", pol.vocab * pol.hidden * 4, "V x h x 4 B (the fp32 embedding, gathered)")
 
 
-def _train_resume(job: Job, p: int, pc: int) -> None:
-    """A resume (train/loop.load_checkpoint), before the index loads: safetensors maps policy and critic and
-    checkpoint.read_state maps state.pt, so the node's ranks share one copy of each file's pages and copy to their
-    GPUs only what they keep (a replica, or their shards)."""
-    job.add_host("resume", "weights (mapped)", (p + pc) * 4, "(P + P_critic) x 4 B, page cache shared by the ranks")
-    job.add_host("resume", "AdamW state (mapped)", (p + pc) * 8,
-                 "(P + P_critic) x 8 B: state.pt, page cache shared by the ranks")
+def _train_resume(job: Job, p: int, pc: int, w: int, s: int, largest: float) -> None:
+    """A resume (train/loop.load_checkpoint), before the index loads. One process: safetensors maps policy and critic
+    and checkpoint.read_state maps state.pt. Several: each rank reads the pieces it holds of the sharded checkpoint,
+    one tensor at a time (its bytes, then the tensor, copied to the GPU). Either way the files' pages are cached once
+    for the node."""
+    if w == 1:
+        job.add_host("resume", "weights (mapped)", (p + pc) * 4, "(P + P_critic) x 4 B, page cache")
+        job.add_host("resume", "AdamW state (mapped)", (p + pc) * 8, "(P + P_critic) x 8 B: state.pt, page cache")
+        return
+    job.add_host("resume", "checkpoint files (page cache)", (p + pc) * 12,
+                 "(P + P_critic) x (4 + 8) B, cached once for the ranks")
+    job.add_host("resume", "tensor being read", w * 2 * largest / s, f"{w} ranks x 2 x V x h x 4 B / {s}")
 
 
 def _sft_job(cfg: dict, rule: str, role: str, seq_len: int) -> Job:

@@ -10,19 +10,22 @@ cache) or `vllm` (a colocated engine whose weights are synced from the policy be
 `memopd.train.weight_sync`; the sync time is logged as time/sync_s). Under torchrun every rank rolls
 out and scores its share of each batch (positions rank, rank + W, ...; sampling seeds by batch
 position, so the episodes are those of a single process) and the gradients are summed over ranks
-(`ppo_update`); rank 0 writes the metrics, checkpoints and the final model.
+(`ppo_update`); rank 0 writes the metrics and the final model, every rank its part of each checkpoint.
 
 Precision and memory (`memopd.parallel`): policy, critic and reference are fp32 whatever
 `train.dtype` (bf16 autocast when it is bfloat16; the teacher is loaded in `train.dtype`, inference
 only). `train.shard: fsdp` shards the three with FSDP2 over the ranks (paper scale: fp32 AdamW of a 3B
-policy + 3B critic is ~96 GB); checkpoints then hold whole tensors, gathered by every rank and written
-by rank 0, and resume with any number of ranks.
+policy + 3B critic is ~96 GB). Under a process group a checkpoint is sharded (`save_sharded_checkpoint`): each
+rank copies what it holds to host memory and writes it in the background while training goes on; it resumes with
+any number of ranks.
 
 Files in the run directory:
   metrics.jsonl        one JSON object per step (rewards, losses, RCE error, step-time breakdown)
-  checkpoint/          policy + critic (safetensors), optimizers, RNG states and the next step
-                       (torch.save of tensors only, read back memory-mapped with weights_only=True); meta.json: the
-                       step and the run's identity (`run_identity`); metrics.jsonl: the steps before it
+  checkpoint/          one process: policy + critic (safetensors), optimizers, RNG state and the next step
+                       (torch.save of tensors only, read back memory-mapped with weights_only=True); under a
+                       process group the same state sharded (torch.distributed.checkpoint: __<rank>_0.distcp
+                       per rank, .metadata); meta.json: the step and the run's identity (`run_identity`);
+                       metrics.jsonl: the steps before it
   model/               the final policy (safetensors + tokenizer), evaluated like any model
 
 Resume: a run finds checkpoint/ and continues from its step, only if the checkpoint is of this very run
@@ -41,12 +44,14 @@ import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from memopd import parallel
-from memopd.checkpoint import load_tensors, read_state, save_tensors
+from memopd.checkpoint import (PendingSave, is_sharded, load_sharded, load_tensors, read_state, save_sharded,
+                               save_tensors)
 from memopd.dist import dist_info, gather, setup_distributed
 from memopd.progress import Progress
 from memopd.train.config import RunConfig
@@ -82,24 +87,8 @@ def _rng_state() -> dict:
     return {"torch": torch.get_rng_state()}
 
 
-def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt, write: bool = True,
-                    identity: dict | None = None, metrics: list[str] = ()) -> None:
-    """Every rank calls it when the models are sharded (the whole tensors are gathered); only `write`
-    writes. Replicas: ranks that do not write return at once. `identity` (`run_identity`) and the metrics
-    lines of steps 0..step-1 are stored with it, for `resume_point`."""
-    if not write and not parallel.is_sharded(policy):
-        return
-    tensors = {name: {k: v.cpu().contiguous() for k, v in parallel.full_state_dict(m).items()}
-               for name, m in (("policy", policy), ("critic", critic))}
-    opts = {"actor_opt": parallel.optimizer_state(policy, actor_opt),
-            "critic_opt": parallel.optimizer_state(critic, critic_opt)}
-    if not write:
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    for name, t in tensors.items():
-        save_tensors(t, tmp / f"{name}.safetensors")  # tied weights stored once
-    torch.save({"step": torch.tensor(step), **opts, **_rng_state()}, tmp / "state.pt")
+def _publish(tmp: Path, path: Path, step: int, identity: dict | None, metrics: list[str]) -> None:
+    """Complete the checkpoint written into `tmp` (meta.json, the metrics of steps 0..step-1) and swap it in."""
     (tmp / "meta.json").write_text(json.dumps({"step": step, "identity": identity}, indent=1, sort_keys=True) + "\n")
     (tmp / "metrics.jsonl").write_text("".join(line + "\n" for line in metrics))
     if path.exists():
@@ -107,7 +96,62 @@ def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt
     tmp.replace(path)
 
 
+def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt, identity: dict | None = None,
+                    metrics: list[str] = ()) -> None:
+    """A single process's checkpoint (no process group; under one, `save_sharded_checkpoint`): whole tensors as
+    safetensors + state.pt. `identity` (`run_identity`) and the metrics lines of steps 0..step-1 are stored with it,
+    for `resume_point`."""
+    tensors = {name: {k: v.cpu().contiguous() for k, v in parallel.full_state_dict(m).items()}
+               for name, m in (("policy", policy), ("critic", critic))}
+    opts = {"actor_opt": parallel.optimizer_state(policy, actor_opt),
+            "critic_opt": parallel.optimizer_state(critic, critic_opt)}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for name, t in tensors.items():
+        save_tensors(t, tmp / f"{name}.safetensors")  # tied weights stored once
+    torch.save({"step": torch.tensor(step), **opts, **_rng_state()}, tmp / "state.pt")
+    _publish(tmp, path, step, identity, list(metrics))
+
+
+def _training_state(policy, critic, actor_opt, critic_opt, rng: bool) -> dict:
+    """Policy, critic and their AdamW states as torch.distributed.checkpoint sees them (Hugging Face names, this
+    rank's DTensor shards when sharded), and, with `rng`, the torch generator's state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    (p, p_opt), (c, c_opt) = (get_state_dict(parallel.unwrap(m), o) for m, o in ((policy, actor_opt),
+                                                                                 (critic, critic_opt)))
+    return {"policy": p, "critic": c, "actor_opt": p_opt, "critic_opt": c_opt,
+            **({"rng": torch.get_rng_state()} if rng else {})}
+
+
+def save_sharded_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt, group,
+                            identity: dict | None = None, metrics: list[str] = ()) -> PendingSave:
+    """Every rank of the process group: write its part of the checkpoint into `<path>.tmp` in the background
+    (checkpoint.save_sharded over `group`). Rank 0's `complete()` then adds meta.json and metrics.jsonl and swaps
+    the directory in, so a kill before that leaves the previous checkpoint. The RNG state is rank 0's, as in a
+    single process's checkpoint; every rank resumes with it."""
+    rank = torch.distributed.get_rank()
+    tmp = path.with_name(path.name + ".tmp")
+    if rank == 0:  # the files of a save that was killed
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    torch.distributed.barrier(group)  # no rank writes into the directory before rank 0 has emptied it
+    finish = (lambda lines=list(metrics): _publish(tmp, path, step, identity, lines)) if rank == 0 else None
+    return save_sharded(_training_state(policy, critic, actor_opt, critic_opt, rng=rank == 0), tmp, group, finish)
+
+
 def load_checkpoint(path: Path, policy, critic, actor_opt, critic_opt) -> int:
+    """Restore policy, critic, optimizers and RNG from either kind of checkpoint, with any number of ranks;
+    returns the step to continue from."""
+    if is_sharded(path):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = _training_state(policy, critic, actor_opt, critic_opt, rng=True)
+        load_sharded(state, path, [f"{m}.{k}" for m in ("policy", "critic") for k in state[m]] + ["rng"])
+        for name, m, opt, key in (("policy", policy, actor_opt, "actor_opt"), ("critic", critic, critic_opt, "critic_opt")):
+            set_state_dict(parallel.unwrap(m), opt, model_state_dict=state[name], optim_state_dict=state[key])
+        torch.set_rng_state(state["rng"])
+        return json.loads((path / "meta.json").read_text())["step"]
     parallel.load_full_state_dict(policy, load_tensors(path / "policy.safetensors"))
     parallel.load_full_state_dict(critic, load_tensors(path / "critic.safetensors"))
     state = read_state(path)  # mapped: a node's ranks share the file's pages, each copies only the shards it keeps
@@ -156,7 +200,7 @@ def identity_changes(saved: dict, now: dict, show: int = 8) -> list[str]:
 def resume_point(path: Path, identity: dict) -> dict | None:
     """The checkpoint at `path` to resume ({step, metrics: lines of steps 0..step-1}), None when there is
     none; ResumeMismatch when it is not of the run `identity` describes."""
-    if not (path / "state.pt").exists():
+    if not ((path / "state.pt").exists() or is_sharded(path)):
         return None
     how = f"delete {path} to train this run from scratch, or restore the settings it was trained with"
     if not (path / "meta.json").exists():
@@ -228,6 +272,10 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     identity, resume = preflight(cfg, run, method, seed, student_dir, teacher_dir, tasks_path, index_dir, ckpt)
     device = setup_distributed(run.dist_timeout_min)
     rank, world, _ = dist_info()
+    # sharded checkpoints are written by a background thread with collectives of their own: a group apart from
+    # the training's, so that the two never interleave
+    group = torch.distributed.new_group(backend="gloo", timeout=timedelta(minutes=run.dist_timeout_min)) \
+        if world > 1 else None
     if run.batch_tasks < world:
         raise ValueError(f"train.batch_tasks {run.batch_tasks} < {world} ranks: some rank would get no episode")
     torch.manual_seed(seed)
@@ -272,7 +320,7 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     retriever = load_retriever(index_dir)
     agent = AgentConfig.from_dict(cfg["agent"], batch_size=rcfg["batch_size"])
     schedule = task_order(len(tasks), run.steps, run.batch_tasks, seed)  # the same on every rank
-    history = []
+    history, pending = [], None  # pending: a sharded checkpoint being written
     bar = Progress(f"{method} seed {seed}", run.steps, "steps", start=start, enabled=rank == 0)
     for step in range(start, run.steps):
         t0 = time.perf_counter()
@@ -305,18 +353,26 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
                 f.write(lines[-1] + "\n")
             if tracker is not None:
                 tracker(m, step)
-        if done % run.checkpoint_every == 0 or done == run.steps:  # collective when sharded
-            save_checkpoint(ckpt, done, policy, critic, actor_opt, critic_opt, write=rank == 0, identity=identity,
-                            metrics=lines)
-        if world > 1:
-            torch.distributed.barrier()  # no rank runs ahead of a checkpoint that may be resumed from
+        now = done % run.checkpoint_every == 0 or done == run.steps
+        if pending is not None and (now or pending.ready()):  # the previous one written: rank 0 publishes it
+            pending.complete()
+            pending = None
+        if now and group is None:
+            save_checkpoint(ckpt, done, policy, critic, actor_opt, critic_opt, identity=identity, metrics=lines)
+        elif now:  # every rank writes its part in the background and trains on
+            pending = save_sharded_checkpoint(ckpt, done, policy, critic, actor_opt, critic_opt, group,
+                                              identity=identity, metrics=lines)
         bar.update(1)
         if stop_after is not None and done - start >= stop_after:
+            if pending is not None:
+                pending.complete()
             bar.close()
             return history
     bar.close()
     # exported in train.dtype (what evaluation and vLLM load); the checkpoint keeps the fp32 master weights
     state = {k: v.to(DTYPES[run.dtype]) for k, v in parallel.full_state_dict(policy).items()}  # collective if sharded
+    if pending is not None:
+        pending.complete()
     if rank == 0:
         parallel.unwrap(policy).save_pretrained(out / "model", state_dict=state, safe_serialization=True)
         tok.save_pretrained(out / "model")
