@@ -27,6 +27,7 @@ include: "workflow/rules/eval.smk"
 include: "workflow/rules/audit.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/plan.smk"
+include: "workflow/rules/study.smk"
 
 
 rule all:
@@ -46,6 +47,7 @@ rule all:
         rules.training_curves.output,
         AUDIT_TABLES,
         PLAN_TARGETS,  # paper scale: results/plan/plan.{csv,md}
+        rules.study.output if STUDY else [],  # the controlled study (config `study`)
 
 
 check_resources_config()

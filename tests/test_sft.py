@@ -415,6 +415,34 @@ def test_copy_examples_target_is_the_context_span():
     assert copy_examples(texts, per_text=0, span=(4, 9), sep=[1], eos=2, seed=0) == []
 
 
+def test_copy_examples_with_a_long_context_hold_the_source_text_among_others():
+    from memopd.sft.data import copy_examples
+
+    texts = [list(range(100 * i, 100 * i + 20)) for i in range(1, 9)]  # disjoint ids: a text is found by its ids
+    ex = copy_examples(texts, per_text=2, span=(3, 5), sep=[1], eos=2, seed=0, context=4)
+    assert len(ex) == 2 * 8
+    places = set()
+    for x in ex:
+        inv = x.invocations[0]
+        src = texts[int(x.task_id.split("/")[1])]
+        chunks, cur = [], []
+        for t in inv.input_ids:  # the context: 4 whole texts, each followed by the separator
+            if t == 1:
+                chunks.append(cur)
+                cur = []
+            else:
+                cur.append(t)
+        assert cur == [] and len(chunks) == 4 and all(c in texts for c in chunks)
+        assert src in chunks
+        places.add(chunks.index(src))
+        span = inv.output_ids[:-1]
+        assert inv.output_ids[-1] == 2 and 3 <= len(span) <= 5
+        assert any(src[i : i + len(span)] == span for i in range(len(src)))
+    assert len(places) > 1  # the source text is not always at the same place
+    with pytest.raises(ValueError, match="context"):
+        copy_examples(texts, per_text=1, span=(3, 5), sep=[1], eos=2, seed=0, context=0)
+
+
 def test_pretrain_stage_takes_its_budgets_and_no_heldout():
     from memopd.sft.trainer import pretrain_steps, stage_section
 

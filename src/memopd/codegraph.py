@@ -140,3 +140,12 @@ def command_targets(src: Path, package: str = "memopd") -> dict[str, str]:
                     and isinstance(node.args[0].value, str) and isinstance(node.args[1], ast.Name)):
                 out[node.args[0].value] = f"{module}:{node.args[1].id}"
     return out
+
+
+def package_hash(src: Path, package: str = "memopd") -> str:
+    """sha256 (16 hex digits) over every module of the package, by name and content: the code of a step that
+    may run any command (a nested workflow)."""
+    h = hashlib.sha256()
+    for m, path in sorted(module_files(src, package).items()):
+        h.update(m.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]

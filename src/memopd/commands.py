@@ -2,6 +2,7 @@
 and `tracking init` (tracking)."""
 from __future__ import annotations
 
+import itertools
 import random
 import sys
 from pathlib import Path
@@ -18,7 +19,12 @@ def cmd_tokenizer(args, cfg):
 
     require(cfg, "vocab_size")
     existing(args.data_dir)
-    tok = train_tokenizer(corpus_texts(args.data_dir), cfg["vocab_size"], args.out, cfg.get("min_frequency", 2))
+    texts = corpus_texts(args.data_dir, cfg.get("files"))
+    if cfg.get("prompts"):  # the agent protocol's fixed text, so that it costs few tokens per call
+        from memopd.agent.protocol import protocol_texts
+
+        texts = itertools.chain(protocol_texts(), texts)
+    tok = train_tokenizer(texts, cfg["vocab_size"], args.out, cfg.get("min_frequency", 2))
     write_json(Path(args.out) / "memopd_tokenizer.json", {"config": cfg, "data_dir": args.data_dir, "size": len(tok)})
     print(f"tokenizer: {len(tok)} tokens -> {args.out}")
 

@@ -18,9 +18,10 @@ def dist_info() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
 
 
-# Minutes a collective may wait (config `train.dist_timeout_min`, `sft.dist_timeout_min`). Rank 0 writes a whole
-# checkpoint while the others wait in a barrier: ~74 GB in training, ~92 GB in the 7B teacher's SFT at paper
-# scale, 10 minutes at ~150 MB/s; torch's own default of 10 minutes would abort every rank on slower storage.
+# Minutes a collective may wait (config `train.dist_timeout_min`, `sft.dist_timeout_min`). In SFT rank 0 writes a
+# whole checkpoint while the others wait in a barrier: ~92 GB for the 7B teacher at paper scale, 10 minutes at
+# ~150 MB/s; torch's own default of 10 minutes would abort every rank on slower storage. (Training checkpoints
+# are sharded and written in the background: train/loop.py.)
 TIMEOUT_MIN = 60
 
 

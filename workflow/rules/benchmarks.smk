@@ -17,7 +17,34 @@ CORPUS_DATA = [os.path.join(config["data_dir"], e["path"]) for e in config["retr
 # corpus files that a step downloads (paper scale: the full wiki-18 corpus); the rest are committed
 # (JOB_CONFIG: with the pinned revision, read offline from the prefetched cache)
 FETCHED = {os.path.join(config["data_dir"], e["path"]): e["fetch"] for e in JOB_CONFIG["retrieval"]["corpus"] if "fetch" in e}
+# the controlled study (config `kb`): its data directory is written by rule kb
+KB_FILES = [os.path.join(config["data_dir"], f) for f in ("passages.jsonl", "train.jsonl", "dev.jsonl", "test.jsonl", "kb.json")]
 RECALL_DATA = [os.path.join(config["data_dir"], e["path"]) for e in config["retrieval"]["recall"]["sources"]]
+
+
+if "kb" in config:
+
+    rule kb:
+        # the controlled study's synthetic knowledge base (src/memopd/data/kb.py): its data directory
+        output:
+            KB_FILES,
+        params:
+            code=code("kb"),
+            memopd=MEMOPD,
+            cfg=cfg_json("kb"),
+            seed=config["seed"],
+            outdir=lambda w: config["data_dir"],
+        log:
+            f"{LOGS}/kb.log",
+        benchmark:
+            f"{LOGS}/bench/kb.tsv"
+        threads: job_threads("kb")
+        resources:
+            **job_resources("kb"),
+        conda:
+            ENV_CPU
+        shell:
+            "{params.memopd} kb --cfg {params.cfg:q} --seed {params.seed} --out-dir {params.outdir} > {log} 2>&1"
 
 
 rule benchmarks:

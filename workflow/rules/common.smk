@@ -32,7 +32,7 @@ PYTHON_ONLINE = 'PYTHONPATH="$MEMOPD_SRC${PYTHONPATH:+:$PYTHONPATH}" "$MEMOPD_PY
 # directory. Without a hub section (the embedded default, which never reaches the hub) nothing changes.
 sys.path.insert(0, SRC)  # this checkout's library, as the jobs run it
 try:
-    from memopd.codegraph import code_hash, command_targets
+    from memopd.codegraph import code_hash, command_targets, package_hash
     from memopd.prefetch import encodings_dir, hub_repos, localize
 finally:
     sys.path.remove(SRC)
@@ -48,7 +48,9 @@ _OFFLINE = (f"HF_HOME={shlex.quote(config['hub']['home'])} HF_HUB_OFFLINE=1 "
             f"TIKTOKEN_ENCODINGS_BASE={shlex.quote(str(encodings_dir(config['hub']['home'])))} "
             f'VLLM_CACHE_ROOT={_CACHE}/vllm" TRITON_CACHE_DIR={_CACHE}/triton" '
             f'TORCHINDUCTOR_CACHE_DIR={_CACHE}/inductor" ') if config.get("hub") else ""
-PYTHON = _OFFLINE + PYTHON_ONLINE
+# config `label` (the controlled study): every table caption starts with it (memopd.report.tables.LABEL_VAR)
+_LABEL = f"MEMOPD_LABEL={shlex.quote(config['label'])} " if config.get("label") else ""
+PYTHON = _LABEL + _OFFLINE + PYTHON_ONLINE
 MEMOPD = f"{PYTHON} -m memopd.cli"
 
 # Conda environments by kind of step (paths relative to this folder), used with
@@ -59,8 +61,9 @@ ENV_GPU = "../../envs/gpu.yaml" if config["scale"] in ("small", "paper") else EN
 
 # `snakemake --report results/report.html`: every table and figure is an output marked report(...), in a
 # category per paper section, with a caption template in workflow/report/ (reST + Jinja; see there).
-REPORT_BENCHMARKS, REPORT_SFT, REPORT_AUDITS, REPORT_TRAINING, REPORT_EFFICIENCY = (
-    "1. Benchmarks and retrieval", "2. SFT", "3. Alignment audits", "4. Training", "5. Efficiency")
+REPORT_BENCHMARKS, REPORT_SFT, REPORT_AUDITS, REPORT_TRAINING, REPORT_EFFICIENCY, REPORT_STUDY = (
+    "1. Benchmarks and retrieval", "2. SFT", "3. Alignment audits", "4. Training", "5. Efficiency",
+    "6. Controlled study")
 
 
 def caption(name):

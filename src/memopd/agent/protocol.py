@@ -189,3 +189,11 @@ class Observation:
         notice = encode(tokenizer, self.notice + ("\n" if body else "")) if self.notice else []
         tail = encode(tokenizer, INFO_END + "\n" + turn_hint(self.turns_left) + "\n")
         return encode(tokenizer, "\n" + INFO) + notice + body + tail
+
+
+def protocol_texts() -> list[str]:
+    """The protocol's fixed text (system prompt, tags, turn hints, notices), for a tokenizer trained here."""
+    tags = " ".join(TAGS)
+    hints = [turn_hint(n) for n in (1, 2, 10)] + [budget_text(n) for n in (2, 10)]
+    return [SYSTEM_PROMPT, tags, *hints, *(invalid_text(r) for r in INVALID_REASONS),
+            questions_text(["?", "?"]), "Searching Q1. Answering. not found (guess: ) unknown Doc 1 (Title: )"]

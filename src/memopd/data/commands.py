@@ -1,5 +1,6 @@
-"""`memopd benchmarks` (compose the Q_n and Wiki-RAG tasks, config section `benchmarks`) and `memopd fetch`
-(one data file from the hub, paper scale)."""
+"""`memopd benchmarks` (compose the Q_n and Wiki-RAG tasks, config section `benchmarks`), `memopd kb` (the
+controlled study's synthetic knowledge base, config section `kb`) and `memopd fetch` (one data file from the
+hub, paper scale)."""
 from __future__ import annotations
 
 from memopd.inputs import require
@@ -9,6 +10,13 @@ def cmd_benchmarks(args, cfg):
     from memopd.data.steps import build_benchmarks
 
     build_benchmarks(cfg, args.data_dir, args.seed, args.out_dir, args.stats)
+
+
+def cmd_kb(args, cfg):
+    from memopd.data.kb import KBConfig, write
+
+    counts = write(KBConfig(**cfg), args.seed, args.out_dir)
+    print(f"knowledge base: {counts} -> {args.out_dir}")
 
 
 def cmd_fetch(args, cfg):
@@ -23,6 +31,9 @@ def cmd_fetch(args, cfg):
 def register(cli) -> None:
     sp = cli.add("fetch", cmd_fetch, "download a data file from the hub (paper scale; --cfg {repo, file, ...})")
     sp.add_argument("--out", required=True)
+
+    sp = cli.add("kb", cmd_kb, "generate the controlled study's knowledge base (config section `kb`)")
+    sp.add_argument("--out-dir", required=True, help="passages.jsonl, {train,dev,test}.jsonl, kb.json")
 
     sp = cli.add("benchmarks", cmd_benchmarks, "compose Q_n and Wiki-RAG tasks (config section `benchmarks`)")
     sp.add_argument("--data-dir", default="data")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 
@@ -23,10 +24,15 @@ def _fmt(v) -> str:
     return str(v)
 
 
+# Set by the workflow from config `label` for every command of a run: prefixed to each table's caption.
+LABEL_VAR = "MEMOPD_LABEL"
+
+
 def markdown(rows: list[dict], caption: str, notes: list[str] | None = None) -> str:
     """The caption (italic), the table, then `notes` (e.g. findings), one paragraph each."""
     cols = list(rows[0]) if rows else []
-    lines = [f"*{caption}*", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    label = os.environ.get(LABEL_VAR, "")  # the workflow's `label` (the controlled study names itself)
+    lines = [f"*{label + ': ' if label else ''}{caption}*", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
     for n in notes or []:
         lines += ["", n]

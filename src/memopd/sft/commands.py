@@ -111,7 +111,8 @@ def cmd_sft_lm_data(args, cfg):
     examples = lm_examples(ids, cfg["seq_len"], corpus["id"]) if pre.get("lm_text", True) else []
     copy = pre.get("copy") or {}
     copies = copy_examples([x[:-1] for x in ids], copy.get("per_text", 0), tuple(copy.get("span", (8, 48))),
-                           tok("\n", add_special_tokens=False)["input_ids"], tok.eos_token_id, args.seed)
+                           tok("\n", add_special_tokens=False)["input_ids"], tok.eos_token_id, args.seed,
+                           copy.get("context", 1))
     save_episodes(args.out, examples + copies)
     stats = {"passages": len(texts), "lm_examples": len(examples), "copy_examples": len(copies),
              "lm_target_tokens": sum(len(x.invocations[0].output_ids) for x in examples),

@@ -192,15 +192,19 @@ def lm_examples(token_lists: list[list[int]], max_len: int, names: list[str] | N
 
 
 def copy_examples(token_lists: list[list[int]], per_text: int, span: tuple[int, int], sep: list[int], eos: int,
-                  seed: int) -> list[Episode]:
+                  seed: int, context: int = 1) -> list[Episode]:
     """The copy curriculum: `per_text` examples per text, each a random span of span[0]..span[1] tokens of
     it followed by `sep` as context and the same span (+ eos) as target, so that the only way to lower
     the loss is to copy from the context (what the protocol asks at every turn: the question into the
-    query, the memory into the next memory, an answer out of a passage). Seeded; a text shorter than
-    the drawn span is skipped."""
+    query, the memory into the next memory, an answer out of a passage). With `context` > 1 the context
+    is that many texts (the span's own at a random place among others drawn at random, each followed by
+    `sep`): the copy then spans the distances of an agent's prompt, where a model trained on one short
+    text at a time does not copy. Seeded; a text shorter than the drawn span is skipped."""
     lo, hi = span
     if per_text and not 1 <= lo <= hi:
         raise ValueError(f"bad copy span {span}")
+    if context < 1:
+        raise ValueError(f"copy context of {context} texts")
     rng = random.Random(f"copy/{seed}")
     out = []
     for r in range(per_text):
@@ -210,7 +214,12 @@ def copy_examples(token_lists: list[list[int]], per_text: int, span: tuple[int, 
                 continue
             s = rng.randint(0, len(ids) - n)
             piece = list(ids[s : s + n])
+            ctx = piece + list(sep)
+            if context > 1:
+                texts = [token_lists[rng.randrange(len(token_lists))] for _ in range(context - 1)]
+                texts.insert(rng.randint(0, len(texts)), ids)
+                ctx = [t for text in texts for t in list(text) + list(sep)]
             out.append(Episode(task_id=f"copy{r}/{i}", prefix_len=0,
-                               invocations=[Invocation(piece + list(sep), piece + [eos])],
+                               invocations=[Invocation(ctx, piece + [eos])],
                                metrics={"source_task": f"copy{r}/{i}"}))
     return out
