@@ -3,7 +3,7 @@ controlled study's synthetic knowledge base, config section `kb`) and `memopd fe
 hub, paper scale)."""
 from __future__ import annotations
 
-from memopd.inputs import require
+from memopd.inputs import ConfigError, require
 
 
 def cmd_benchmarks(args, cfg):
@@ -15,6 +15,10 @@ def cmd_benchmarks(args, cfg):
 def cmd_kb(args, cfg):
     from memopd.data.kb import KBConfig, write
 
+    require(cfg, "people", "first_names", "surnames", "values", where="kb")
+    unknown = sorted(set(cfg) - set(KBConfig.__dataclass_fields__))
+    if unknown:
+        raise ConfigError(f"config section 'kb' has unknown keys {', '.join(map(repr, unknown))}")
     counts = write(KBConfig(**cfg), args.seed, args.out_dir)
     print(f"knowledge base: {counts} -> {args.out_dir}")
 

@@ -54,7 +54,7 @@ ATTRIBUTES = (
 
 @dataclass(frozen=True)
 class KBConfig:
-    """Config `study.kb` (sizes of the knowledge base and its question pools)."""
+    """Config `kb` (sizes of the knowledge base and its question pools)."""
 
     people: int = 400
     first_names: int = 40  # few names for many people: look-alikes share one of them
@@ -65,9 +65,9 @@ class KBConfig:
 
     def __post_init__(self):
         if self.people > self.first_names * self.surnames:
-            raise ValueError(f"study.kb: {self.people} people need more than {self.first_names} x {self.surnames} names")
+            raise ValueError(f"kb: {self.people} people need more than {self.first_names} x {self.surnames} names")
         if not 0 < self.dev_fraction + self.test_fraction < 1:
-            raise ValueError("study.kb: dev_fraction + test_fraction must be in (0, 1)")
+            raise ValueError("kb: dev_fraction + test_fraction must be in (0, 1)")
 
 
 @dataclass
