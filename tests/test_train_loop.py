@@ -498,3 +498,40 @@ def test_a_training_run_prints_its_progress_with_the_time_left(setup, tmp_path, 
     assert [p[0] for p in parsed] == ["1", "2"], lines
     assert parsed[0][2] == parsed[0][1]  # 1 step in t s, 1 step left: t s
     assert parsed[1][2] == "0s"  # resumed at step 1, the last step done
+
+
+@pytest.mark.parametrize("method", ["memopd", "ppo"])
+def test_models_are_sharded_as_they_come_and_the_teacher_loads_last(monkeypatch, method):
+    """Under FSDP a rank holds at most the policy and one copy of it whole (the plan's load phase): the
+    reference and the critic are sharded as soon as they are copied, then the policy, and only then is the
+    teacher loaded. Recorded with a stand-in for `shard` (no process group) and for the model loader."""
+    from memopd import parallel
+    from memopd.train.config import RunConfig
+    from memopd.train.loop import build_models
+
+    cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())["train"]
+    cfg.update(shard="fsdp", critic_layers=2, activation_checkpointing=False)
+    run = RunConfig.from_section(cfg, method, 0)
+    events, whole = [], set()  # whole: ids of the unsharded models alive
+
+    def load(path, dtype, device):
+        model = random_student(0)
+        whole.add(id(model))
+        events.append((f"load {path}", len(whole)))
+        return model
+
+    def shard(model, dtype):
+        kind = "critic" if hasattr(model, "head") else "reference" if not any(
+            p.requires_grad for p in model.parameters()) else "policy"
+        events.append((f"shard {kind}", len(whole) + (id(model) not in whole)))  # the copy is whole till now
+        whole.discard(id(model))
+        return model
+
+    monkeypatch.setattr(parallel, "shard", shard)
+    policy, ref, critic, teacher = build_models(run, method, "student", "teacher", "cpu", world=2, load=load)
+    order = [e for e, _ in events]
+    assert order == ["load student", "shard reference", "shard critic", "shard policy",
+                     *(["load teacher"] if method != "ppo" else [])]
+    assert max(n for _, n in events) == 2  # the policy and one copy
+    assert (teacher is None) == (method == "ppo") and len(critic.lm.model.layers) == 2
+    assert not any(p.requires_grad for p in ref.parameters())

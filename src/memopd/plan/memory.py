@@ -77,10 +77,11 @@ S ways a model is sharded (W under FSDP, else 1), G = plan.gpu_memory_gb.
                                                       weights + AdamW state) to host memory and writes it in the
                                                       background (train/loop.save_sharded_checkpoint); one
                                                       process: 12 * (P + P_c), whole (save_checkpoint)
-  load (train)         3 * P * 4 + P_T * b + util*G    before fully_shard every rank holds the fp32 policy, its
-                                                      deep copies (reference; critic before it keeps its first
-                                                      layers) and the teacher whole, beside the vLLM engine's
-                                                      share, created first (train/loop.train_run)
+  load (train)         2 * P * 4 + P * 4 / S + util*G  models sharded as they are built (train/loop.build_models):
+                                                      the fp32 policy whole, the reference's shard and the
+                                                      critic's deep copy whole (before it keeps its first layers
+                                                      and is sharded), beside the vLLM engine's share, created
+                                                      first; the teacher loads last (steady phases)
   allocator reserve    0 beyond the live tensors      at the engine's wake-up (weight_sync.WeightSync.sync):
                                                       empty_cache first returns every segment without a live
                                                       tensor; assumed: the segments that hold live tensors hold

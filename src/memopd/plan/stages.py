@@ -77,7 +77,7 @@ def plan_train(cfg: dict) -> list[Job]:
         job.host["vLLM sleep offload"] = (w * pol.weights("bfloat16"), f"{w} x P x 2 B (sleep level 1)")
         _train_wake(job, pol)
     if job.gpus:
-        _train_load(job, cfg, pol, tea if opd else None, dt)
+        _train_load(job, cfg, pol, s)
         _train_resume(job, pol.params, pc, w, s, pol.vocab * pol.hidden * 4)
     _retriever(job, cfg, copies=w)
     runs = len(t["methods"]) * len(t["seeds"])
@@ -89,18 +89,18 @@ def plan_train(cfg: dict) -> list[Job]:
     return [job]
 
 
-def _train_load(job: Job, cfg: dict, pol: Spec, tea: Spec | None, dt: str) -> None:
-    """Before `fully_shard` every rank holds whole models on its GPU (train/loop.train_run): the vLLM engine is
-    created first and takes its share, then the fp32 policy, its deep copies (reference, and the critic before
-    ValueModel keeps its first layers), and the teacher in train.dtype."""
+def _train_load(job: Job, cfg: dict, pol: Spec, s: int) -> None:
+    """While the models are built (train/loop.build_models): the vLLM engine is created first and takes its share,
+    then the fp32 policy whole, the reference sharded as soon as it is copied, and the critic's copy whole until
+    it is sharded (ValueModel keeps its first layers only after the deep copy). The teacher loads after every
+    model is sharded: the steady phases hold it."""
     _common(job, cfg, "load")
     if cfg["rollout"].get("backend", "hf") == "vllm":
         util = cfg["train"].get("vllm", {}).get("gpu_memory_utilization", 0.9)
         job.add("load", "vLLM engine", util * job.gpu_limit, f"gpu_memory_utilization {util} x {job.gpu_limit / GB:.0f} GB")
-    for term, why in (("policy", "load_model"), ("reference", "deepcopy"), ("critic", "deepcopy, all layers")):
-        job.add("load", f"{term} (fp32, whole)", pol.params * 4, f"P {pol.params:,} x 4 B ({why})")
-    if tea is not None:
-        job.add("load", "teacher (whole)", tea.weights(dt), f"P_T {tea.params:,} x {BYTES[dt]} B")
+    job.add("load", "policy (fp32, whole)", pol.params * 4, f"P {pol.params:,} x 4 B (load_model)")
+    job.add("load", "reference (fp32)", pol.params * 4 / s, f"P x 4 B / {s} (deepcopy, then sharded)")
+    job.add("load", "critic's copy (fp32, whole)", pol.params * 4, "P x 4 B (deepcopy, all layers, before its shard)")
 
 
 def _train_wake(job: Job, pol: Spec) -> None:

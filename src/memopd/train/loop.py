@@ -254,6 +254,32 @@ def rollout_metrics(episodes) -> dict:
             "rollout/invalid_rate": sum(r[3] for r in rows) / max(1, calls)}
 
 
+def build_models(run: RunConfig, method: str, student_dir, teacher_dir, device, world: int, load=None):
+    """Policy, reference, critic and teacher on `device`, each sharded (train.shard: fsdp, W > 1) as soon as it
+    exists and the teacher loaded last, so that a rank never holds more than the policy and one copy of it whole
+    (the plan's `load` phase). `load` (tests) stands for memopd.models.load_model."""
+    if load is None:
+        from memopd.models import load_model as load
+    fsdp = run.shard == "fsdp" and world > 1  # one rank: a shard is the whole model, the replica path is the same
+
+    def place(model, trained: bool):
+        if trained and run.activation_checkpointing:  # recompute each decoder layer in the backward (before sharding)
+            model = parallel.checkpoint_activations(model)
+        return parallel.shard(model, run.dtype) if fsdp else model
+
+    # fp32 master weights whatever train.dtype (bf16 autocast computes; pure bf16 parameters would round
+    # lr 1e-6 steps away); the reference is the policy's frozen copy, so it is scored exactly like pi_old
+    policy = load(student_dir, dtype="float32", device=str(device))
+    ref = place(copy.deepcopy(policy).requires_grad_(False), trained=False)  # frozen at the SFT initialisation
+    critic = place(ValueModel(copy.deepcopy(policy), layers=run.critic_layers), trained=True)  # the first layers
+    policy = place(policy, trained=True)
+    # the frozen teacher stays in train.dtype and whole: inference only (a target distribution, never in a
+    # ratio); `ppo` never scores it, so it needs none (its jobs can start before the teacher's SFT ends)
+    teacher = (load(teacher_dir, dtype=run.dtype, device=str(device)).requires_grad_(False)
+               if method != "ppo" else None)
+    return policy, ref, critic, teacher
+
+
 def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teacher_dir: str | Path | None,
               tasks_path: str | Path, index_dir: str | Path, out_dir: str | Path, stop_after: int | None = None,
               tracker=None, log=print) -> list[dict]:
@@ -263,7 +289,7 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     from memopd.agent.backends import HFBackend, VLLMBackend
     from memopd.agent.evaluate import load_retriever, load_tasks, make_sampling
     from memopd.agent.rollout import AgentConfig, rollout
-    from memopd.models import DTYPES, load_model, load_tokenizer
+    from memopd.models import DTYPES, load_tokenizer
 
     run = RunConfig.from_section(cfg["train"], method, seed)  # refuses a bad section before anything runs
     rcfg = cfg["rollout"]
@@ -289,19 +315,7 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
         llm = colocated_llm(student_dir, rcfg, run.vllm, seed, world)
         sync = WeightSync(llm, sleep=sleep_mode(run.vllm))
         backend = VLLMBackend(student_dir, tok, sampling, llm=llm)
-    # fp32 master weights whatever train.dtype (bf16 autocast computes; pure bf16 parameters would round
-    # lr 1e-6 steps away); the reference is the policy's frozen copy, so it is scored exactly like pi_old
-    policy = load_model(student_dir, dtype="float32", device=str(device))
-    ref = copy.deepcopy(policy).requires_grad_(False)  # frozen at the SFT initialisation
-    critic = ValueModel(copy.deepcopy(policy), layers=run.critic_layers)  # the policy's first layers
-    # the frozen teacher stays in train.dtype: inference only (a target distribution, never in a ratio);
-    # `ppo` never scores it, so it needs none (its jobs can start before the teacher's SFT ends)
-    teacher = (load_model(teacher_dir, dtype=run.dtype, device=str(device)).requires_grad_(False)
-               if method != "ppo" else None)
-    if run.activation_checkpointing:  # recompute each decoder layer in the backward (before sharding)
-        policy, critic = parallel.checkpoint_activations(policy), parallel.checkpoint_activations(critic)
-    if run.shard == "fsdp" and world > 1:  # one rank: a shard is the whole model, the replica path is the same
-        policy, ref, critic = (parallel.shard(m, run.dtype) for m in (policy, ref, critic))
+    policy, ref, critic, teacher = build_models(run, method, student_dir, teacher_dir, device, world)
     actor_opt = torch.optim.AdamW(policy.parameters(), lr=run.lr_actor, weight_decay=0.0)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=run.lr_critic, weight_decay=0.0)
     # the OPD KL runs over the tokenizer's real ids (heads may be padded beyond them)
