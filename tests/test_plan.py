@@ -348,6 +348,20 @@ def test_training_load_by_hand():
     assert _phase_gb(job, "load") == pytest.approx((1e9 + 0.3 * 80e9 + 3 * P3 * 4) / 1e9, rel=1e-12)
 
 
+def test_sft_load_before_sharding_by_hand():
+    """Each of the 8 ranks of the 7B teacher's SFT loads the fp32 model whole before fully_shard: 1 GB of CUDA
+    context + 30.46 GB, below its step (39.0 GB); one rank (no sharding) has no load phase beyond its step."""
+    from memopd.plan import plan
+
+    jobs = {j.name: j for j in plan(_cfg(), {"sft_train"})}
+    teacher = jobs["sft_train[teacher]"]
+    assert _phase_gb(teacher, "load") == pytest.approx((1e9 + P7 * 4) / 1e9, rel=1e-12)
+    assert teacher.peak()[0] == "step"
+    w = _cfg()
+    w["sft"]["shard"] = "none"
+    assert all("load" not in j.phases for j in plan(w, {"sft_train"}))
+
+
 def test_training_wake_up_after_empty_cache_by_hand():
     """The engine's wake-up: what lives through a step (sharded AdamW policy + critic, sharded reference, teacher),
     no allocator reserve beyond it (empty_cache first), the engine's share and one gathered fp32 embedding. The

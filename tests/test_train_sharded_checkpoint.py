@@ -1,8 +1,10 @@
 """Training checkpoints under a process group: every rank writes its part (torch.distributed.checkpoint) in the
-background, and a run stopped after its checkpoint at step 1 resumes to exactly the uninterrupted run."""
+background, and a run stopped after its checkpoint at step 1 resumes to exactly the uninterrupted run; one process
+resumes it too (a site with fewer GPUs on the retry)."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 
 import pytest
@@ -35,7 +37,7 @@ def _two_ranks(setup, out, record, stop_after=None) -> None:
     mp.start_processes(_worker, args=(port, setup, out, stop_after, record), nprocs=2, start_method="spawn")
 
 
-@pytest.mark.slow  # three runs of two gloo ranks in subprocesses: ~80 s on 2 cores
+@pytest.mark.slow  # three runs of two gloo ranks in subprocesses and one of one process: ~90 s on 2 cores
 def test_a_sharded_checkpoint_resumes_to_the_uninterrupted_run(setup, tmp_path):
     import torch.distributed.checkpoint as dcp
 
@@ -51,6 +53,8 @@ def test_a_sharded_checkpoint_resumes_to_the_uninterrupted_run(setup, tmp_path):
     assert files == {"__0_0.distcp", "__1_0.distcp"}
     assert all((ckpt / f).stat().st_size > 0 for f in files)
     assert not (tmp_path / "cut/checkpoint.tmp").exists()  # published: the written directory swapped in
+    shutil.copytree(tmp_path / "cut", tmp_path / "solo")
+    solo = _run((d, cfg), tmp_path / "solo", method="memopd")  # one process, no process group, the same config
     _two_ranks((d, cfg), tmp_path / "cut", tmp_path / "resumed.json")
     steps = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in ("full", "cut", "resumed")}
     assert steps == {"full": [0, 1], "cut": [0], "resumed": [1]}  # the resume trained step 1 only
@@ -62,3 +66,11 @@ def test_a_sharded_checkpoint_resumes_to_the_uninterrupted_run(setup, tmp_path):
     for k in ("actor/loss", "opd/loss", "reward/f1", "actor/grad_norm"):
         assert [m[k] for m in full] == [m[k] for m in cut], k
     assert all(m["actor/grad_norm"] > 0 for m in full)  # the policy moves: step 2 depends on step 1's AdamW state
+    # one process from the two ranks' checkpoint: step 1 alone, on the same episodes (sampling seeds by batch
+    # position), the same update up to the order of the gradients' sum; AdamW moves a weight by <= ~lr per step
+    assert [m["step"] for m in solo] == [1] and solo[0]["world_size"] == 1
+    assert solo[0]["reward/f1"] == full[1]["reward/f1"]
+    assert solo[0]["actor/loss"] == pytest.approx(full[1]["actor/loss"], rel=1e-5, abs=1e-7)
+    c = load_file(tmp_path / "solo/model/model.safetensors")
+    lr = cfg["train"]["lr_actor"]
+    assert c.keys() == a.keys() and max((c[k] - a[k]).abs().max().item() for k in a) < 0.1 * lr

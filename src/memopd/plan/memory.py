@@ -82,6 +82,7 @@ S ways a model is sharded (W under FSDP, else 1), G = plan.gpu_memory_gb.
                                                       critic's deep copy whole (before it keeps its first layers
                                                       and is sharded), beside the vLLM engine's share, created
                                                       first; the teacher loads last (steady phases)
+  load (SFT, S > 1)    P * 4                          every rank loads the fp32 model whole, then shards it
   allocator reserve    0 beyond the live tensors      at the engine's wake-up (weight_sync.WeightSync.sync):
                                                       empty_cache first returns every segment without a live
                                                       tensor; assumed: the segments that hold live tensors hold

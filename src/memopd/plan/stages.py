@@ -154,6 +154,9 @@ def _sft_job(cfg: dict, rule: str, role: str, seq_len: int) -> Job:
         if scores:
             job.add("step", "attention scores", (1 if ckpt else m.layers) * scores, "L x heads x seq_len^2 x 4 B")
     job.add("step", "loss chunk", 2048 * m.vocab * 16, "2048 x V x 16 B (sft/loss.py _CHUNK)")
+    if job.gpus and s > 1:  # sft/commands: every rank loads the fp32 model whole, then shards it (sft/trainer)
+        _common(job, cfg, "load")
+        job.add("load", "model (fp32, whole)", m.params * 4, "P x 4 B, before fully_shard")
     if job.gpus:  # copied off the GPU to be written
         job.host["checkpoint"] = (m.params * 12, "P x (4 + 8) B: model + AdamW state serialised by rank 0")
         # resume (sft/trainer.load_sharded_checkpoint): weights and state mapped (checkpoint.read_state), the page
