@@ -119,7 +119,7 @@ def test_an_evaluation_reruns_only_when_what_it_reads_changes(tmp_path):
     budget = _bad_config(tmp_path, lambda c: c["eval"]["max_new_tokens"].__setitem__("q2_test", 64))
     assert command(budget) != base
     cfg = json.loads(base.split(" eval --cfg ")[1].split("' --seed")[0].lstrip("'"))
-    assert cfg["eval"] == {"max_new_tokens": 96, "max_tasks": 30, "temperature": 0.0}
+    assert cfg["eval"] == {"max_new_tokens": 96, "max_tasks": 20, "temperature": 0.0}
 
 
 def test_lint_is_clean():
