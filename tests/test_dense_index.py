@@ -127,6 +127,25 @@ def test_faiss_flat_search_equals_exact_search():
     assert np.array_equal(i, ri) and np.allclose(s, rs, atol=1e-5)
 
 
+@needs_faiss
+def test_a_turns_few_queries_take_faiss_blas_path(monkeypatch):
+    """16 queries (an agent turn) are below FAISS's default BLAS threshold, where it scans the array once per query:
+    the search lifts the threshold for its call (recorded by a stand-in for faiss.knn) and puts it back."""
+    import faiss
+
+    seen, knn = [], faiss.knn
+    monkeypatch.setattr(faiss, "knn", lambda *a, **kw: (seen.append(faiss.cvar.distance_compute_blas_threshold),
+                                                         knn(*a, **kw))[1])
+    before = faiss.cvar.distance_compute_blas_threshold
+    rng = np.random.default_rng(2)
+    v = rng.standard_normal((500, 16)).astype(np.float32)
+    q = rng.standard_normal((16, 16)).astype(np.float32)
+    s, i = dense.FlatSearch(v).search(q, 5)
+    assert seen and seen[0] < len(q) and faiss.cvar.distance_compute_blas_threshold == before
+    rs, ri = exact_search(q, v, 5)
+    assert np.array_equal(i, ri) and np.allclose(s, rs, atol=1e-5)
+
+
 @pytest.mark.parametrize("use_faiss", [pytest.param(True, marks=needs_faiss), False], ids=["faiss", "numpy"])
 def test_retriever_searches_the_memory_mapped_index(tmp_path, monkeypatch, use_faiss):
     if not use_faiss:
