@@ -98,6 +98,7 @@ use rule audit_episodes as audit_rule_episodes with:
         f"{LOGS}/audit_rule_episodes_{{rule}}.log",
     benchmark:
         f"{LOGS}/bench/audit_rule_episodes_{{rule}}.tsv"
+    priority: 5  # with audit_context_updates, the longest job after the SFT: start it before the evaluations, which fill the tail
 
 
 rule audit_alignment:
@@ -224,6 +225,7 @@ rule audit_context_updates:
         f"{LOGS}/audit_context_updates.log",
     benchmark:
         f"{LOGS}/bench/audit_context_updates.tsv"
+    priority: 5
     threads: job_threads("audit_context_updates")
     resources:
         **job_resources("audit_context_updates"),

@@ -26,6 +26,7 @@ rule sft_examples:
         f"{LOGS}/sft_examples.log",
     benchmark:
         f"{LOGS}/bench/sft_examples.tsv"
+    priority: 10  # on the SFT chain (the critical path): before the evaluations and RCE checks that are ready with it
     threads: job_threads("sft_examples")
     resources:
         **job_resources("sft_examples"),
