@@ -137,3 +137,41 @@ def test_check_outputs_exits_1_naming_the_file(tmp_path, monkeypatch, capsys):
     assert co.main(["--directory", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "results/tables/alignment_audit.md: empty (0 bytes)" in err and "1 of 5 outputs" in err
+
+
+def test_name_copy_probe_scores_the_token_after_each_prefix(tmp_path):
+    import json
+
+    import pandas as pd
+    import torch
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    ncp = _load("name_copy_probe")
+    assert ncp.name_spans("Which river does Shaifei Doukraileil live by?") == [(17, 24), (25, 36)]
+    assert ncp.name_spans("Who employs Netru Dashifai?") == [(12, 17), (18, 26)]  # the "?" is not the name's
+    # a word keeps its leading space, as in the byte-level BPE of the study (" Netru" starts at the space)
+    words = ["<think>Searching", " Q1.</think><search>", "Who", " employs", " Netru", " Dashifai?", "P", "[UNK]"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(" ?[^ ]+"), behavior="isolated")
+    prompt = [6, 6, 6]
+    row = {"call": 0, "input_ids": prompt, "metrics": json.dumps({"questions": ["Who employs Netru Dashifai?"]})}
+    first = pd.DataFrame([row])
+    prefix = tok.encode(ncp.PREFIX, add_special_tokens=False).ids
+    assert prefix == [0, 1]
+    question = [2, 3, 4, 5]                       # Who employs Netru Dashifai?
+    start = len(prompt) + len(prefix)             # where question 1's first token sits
+
+    def oracle(wrong_at):
+        """Logits that predict the true next token except at the given absolute positions (P instead)."""
+        def logits_of(ids):
+            assert ids == prompt + prefix + question
+            out = torch.zeros(len(ids), len(words))
+            for i in range(len(ids) - 1):
+                out[i, 6 if i + 1 in wrong_at else ids[i + 1]] = 1.0
+            return out
+        return logits_of
+
+    assert ncp.count(oracle(set()), tok, first) == {"name": [2, 2], "template": [2, 2]}
+    # the surname wrong: one name token of two; the token before the question's first word is not counted
+    assert ncp.count(oracle({start + 3, start - 1}), tok, first) == {"name": [1, 2], "template": [2, 2]}
+    assert ncp.count(oracle({start}), tok, first) == {"name": [2, 2], "template": [1, 2]}
