@@ -154,3 +154,17 @@ def test_rce_command_writes_the_contract(tmp_path):
                           "action_tokens", "passed"}
         assert r["passed"] and r["max_abs_dlogp"] <= 1e-5
     assert out.with_suffix(".csv").read_text().startswith("backend,episode,call,")
+
+
+def test_every_output_of_rule_study_is_written_by_the_nested_workflow(tmp_path):
+    """Rule study declares the nested workflow's tables, figures and Markdown tables as its outputs; each must be
+    an output of some job of the nested DAG, or the job ends in a MissingOutputException after all its work."""
+    outer = snakemake("-n", "--forceall", "all", "--configfile", "config/smoke.yaml")
+    assert outer.returncode == 0, outer.stderr[-3000:]
+    declared = {p.removeprefix("results/study/") for p in _dry_run_blocks(outer.stdout)["study"][0]["output"].split(", ")}
+    assert {"results/tables/matched_control.md", "results/figures/training_curves.png"} <= declared
+    nested = snakemake("-n", "--forceall", "-d", str(tmp_path), *sorted(declared),
+                       "--configfile", str(ROOT / "config/study.yaml"), str(ROOT / "config/study_smoke.yaml"))
+    written = {p for blocks in _dry_run_blocks(nested.stdout).values() for b in blocks
+               for p in b.get("output", "").split(", ") if p}
+    assert declared <= written, (sorted(declared - written), nested.stderr[-3000:])

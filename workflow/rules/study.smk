@@ -12,6 +12,9 @@ STUDY_TABLES = ["results/tables/benchmark_stats.csv", "results/tables/retrieval_
                 "results/tables/sft_summary.csv", "results/tables/multiobjective.csv", "results/tables/wikirag.csv",
                 "results/tables/vs_student.csv", "results/tables/matched_control.csv",
                 "results/tables/alignment_audit.csv"]
+# The tables that also have a Markdown rendering (benchmark_stats and retrieval_recall are CSV only).
+STUDY_MD = [f"results/tables/{t}.md" for t in ("sft_summary", "multiobjective", "wikirag", "vs_student",
+                                                "matched_control", "alignment_audit")]
 STUDY_FIGURES = ["results/figures/f1_vs_horizon.png", "results/figures/training_curves.png"]
 
 
@@ -22,7 +25,7 @@ if STUDY:
             configs=STUDY["configs"],
         output:
             tables=[report(f"{STUDY_DIR}/{t}", caption=caption("study"), category=REPORT_STUDY) for t in STUDY_TABLES],
-            md=[f"{STUDY_DIR}/{t[:-4]}.md" for t in STUDY_TABLES if t.endswith(".csv")],
+            md=[f"{STUDY_DIR}/{t}" for t in STUDY_MD],
             figures=[report(f"{STUDY_DIR}/{f}", caption=caption("study"), category=REPORT_STUDY) for f in STUDY_FIGURES],
         params:
             code=f"memopd@{package_hash(Path(SRC))}",  # the nested jobs may run any command
