@@ -27,6 +27,7 @@ def test_job_times_sums_each_rule_over_its_jobs(tmp_path):
     rules = jt.rules_in(str(ROOT / "workflow/rules"))
     # the workflow's rules, `use rule ... as` included
     assert {"sft_train", "sft_eval", "eval", "audit_episodes", "audit_rule_episodes", "train"} <= set(rules)
+    assert "study" in rules  # defined under `if STUDY:`, indented
     jobs = {  # file -> (s, cpu, end time), with the rule each must count under
         "sft_train_student.tsv": (100.0, 90.0, 1000.0, "sft_train"),
         "sft_train_teacher.tsv": (150.0, 140.0, 1200.0, "sft_train"),

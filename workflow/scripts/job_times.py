@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pandas as pd
 
-_RULE = re.compile(r"^(?:rule|use rule \w+ as) (\w+)", re.MULTILINE)  # `rule x:` and `use rule y as x with:`
+# `rule x:` and `use rule y as x with:`, also indented (a rule defined under `if`, as rule study is)
+_RULE = re.compile(r"^[ \t]*(?:rule|use rule \w+ as) (\w+)", re.MULTILINE)
 
 
 def rules_in(rules_dir: str = "workflow/rules") -> list[str]:
