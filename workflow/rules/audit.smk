@@ -98,7 +98,7 @@ use rule audit_episodes as audit_rule_episodes with:
         f"{LOGS}/audit_rule_episodes_{{rule}}.log",
     benchmark:
         f"{LOGS}/bench/audit_rule_episodes_{{rule}}.tsv"
-    priority: 5  # with audit_context_updates, the longest job after the SFT: start it before the evaluations, which fill the tail
+    priority: 5  # audit_context_updates waits for all five: start them before the evaluations, so it does not end the run
 
 
 rule audit_alignment:

@@ -3,6 +3,8 @@ its first search? On the first call of evaluated episodes (their real prompts), 
 scripted teacher's response '<think>Searching Q1.</think><search>' + question 1 and we count how often its
 greedy next token is right, separately for the name tokens (capitalised words after the first) and for
 the question's template tokens. Names occur in the question only, so a right name token is a copy.
+Teacher-forced, so it sees a copy forming token by token; the free-running counterpart is the evaluation
+episodes' `copy_exact` metric (memopd.metrics.copy_probe: the whole query equals the question).
 
     python workflow/scripts/name_copy_probe.py MODEL_DIR results/eval/MODEL/q2_test.episodes.parquet
 """
