@@ -33,6 +33,7 @@ def _bad_config(tmp_path, mutate):
     (lambda c: c["train"]["matched_control"].__setitem__("benchmark", "q4_test"), "q4_test"),  # not in eval.benchmarks
     (lambda c: c["train"]["matched_control"].__setitem__("methods", ["ppo"]), "methods"),  # fixed, not configurable
     (lambda c: c["train"]["matched_control"].__setitem__("seeds", [1, 1]), "matched_control"),
+    (lambda c: c["train"].__setitem__("horizons", {b: None for b in c["train"]["horizons"]}), "every horizon is null"),
 ])
 def test_bad_config_stops_the_run_naming_it(tmp_path, mutate, needle):
     res = snakemake("-n", "--configfile", str(_bad_config(tmp_path, mutate)))
@@ -168,3 +169,21 @@ def test_every_output_of_rule_study_is_written_by_the_nested_workflow(tmp_path):
     written = {p for blocks in _dry_run_blocks(nested.stdout).values() for b in blocks
                for p in b.get("output", "").split(", ") if p}
     assert declared <= written, (sorted(declared - written), nested.stderr[-3000:])
+
+
+def _evaluated(dry_run_stdout):
+    """{(model, benchmark)} of the eval jobs of a dry run."""
+    return {tuple(b["output"].split(",")[0].split("/")[2:4]) for b in _dry_run_blocks(dry_run_stdout).get("eval", [])}
+
+
+def test_a_layered_config_drops_a_horizon_by_null(tmp_path):
+    """config/study_smoke.yaml sets the study's Q8/Q16 horizons to null: Snakemake merges the mapping key by key, so
+    null is the only way a layered file removes one. The trained runs are then evaluated on Q2 and Wiki-RAG only."""
+    base = ("--configfile", str(ROOT / "config/study.yaml"))
+    full = snakemake("-n", "--forceall", "-d", str(tmp_path / "full"), "results/tables/multiobjective.csv", *base)
+    small = snakemake("-n", "--forceall", "-d", str(tmp_path / "small"), "results/tables/multiobjective.csv",
+                      *base, str(ROOT / "config/study_smoke.yaml"))
+    assert full.returncode == 0 and small.returncode == 0, full.stderr[-2000:] + small.stderr[-2000:]
+    assert ("ppo_seed0", "q8_test.json") in _evaluated(full.stdout)
+    assert {b for _, b in _evaluated(small.stdout)} == {"q2_test.json", "wikirag_test.json"}
+    assert ("memopd_persistent_seed0", "wikirag_test.json") in _evaluated(small.stdout)
