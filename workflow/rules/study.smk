@@ -12,9 +12,9 @@ STUDY_TABLES = ["results/tables/benchmark_stats.csv", "results/tables/retrieval_
                 "results/tables/sft_summary.csv", "results/tables/multiobjective.csv", "results/tables/wikirag.csv",
                 "results/tables/vs_student.csv", "results/tables/matched_control.csv",
                 "results/tables/alignment_audit.csv"]
-# The tables that also have a Markdown rendering (benchmark_stats and retrieval_recall are CSV only).
-STUDY_MD = [f"results/tables/{t}.md" for t in ("sft_summary", "multiobjective", "wikirag", "vs_student",
-                                                "matched_control", "alignment_audit")]
+# Every table but these two also has a Markdown rendering.
+STUDY_CSV_ONLY = {"results/tables/benchmark_stats.csv", "results/tables/retrieval_recall.csv"}
+STUDY_MD = [t.removesuffix(".csv") + ".md" for t in STUDY_TABLES if t not in STUDY_CSV_ONLY]
 STUDY_FIGURES = ["results/figures/f1_vs_horizon.png", "results/figures/training_curves.png"]
 
 
