@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from memopd.agent.backends import Generation
+from memopd.agent.protocol import Generation
 from memopd.agent.protocol import Task, encode
 
 # One thread: on a shared 2-core machine two OpenMP threads per process spin against the other jobs and

@@ -9,7 +9,8 @@ import pytest
 
 import memopd.agent.evaluate as evaluate
 from agent_support import nq_tasks, random_student, retriever, tokenizer
-from memopd.agent.evaluate import aggregate, load_tasks
+from memopd.agent.evaluate import aggregate
+from memopd.agent.protocol import load_tasks
 from memopd.cli import main
 from memopd.records import load_episodes
 

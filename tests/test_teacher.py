@@ -291,7 +291,7 @@ def test_shards_merged_equal_one_process(tmp_path, capsys):
 def test_one_shard_merged_is_the_one_process_file_byte_for_byte(tmp_path):
     """teacher.shards 1 (the embedded default): shard 0 plus the merge give the very bytes of the one-process
     step, which plays the tasks as before sharding existed (one rollout over every task)."""
-    from memopd.agent.evaluate import load_tasks
+    from memopd.agent.protocol import load_tasks
     from memopd.agent.trajectories import merge_step
     from memopd.records import save_episodes
 

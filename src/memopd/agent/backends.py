@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memopd.agent.protocol import Generation
 from memopd.attention import _CACHE_KW
 
 
@@ -134,13 +135,6 @@ def shared_prefix_len(prompts: list[list[int]], least: int = MIN_SHARED) -> int:
     for q in prompts[1:]:
         n = next((i for i in range(n) if q[i] != first[i]), n)
     return n if n >= least else 0
-
-
-@dataclass
-class Generation:
-    output_ids: list[int]
-    logprobs: list[float] | None
-    stop_reason: str  # "stop" (stop string), "eos", "length"
 
 
 def stop_token_ids(tokenizer, stop_strings) -> tuple[set[int], list[str]]:

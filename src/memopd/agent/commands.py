@@ -90,9 +90,10 @@ def _bench_eval_work(args):
     from transformers import AutoTokenizer
 
     from memopd.agent import eval_bench
-    from memopd.agent.evaluate import load_retriever, load_tasks
+    from memopd.agent.protocol import load_tasks
     from memopd.agent.rollout import AgentConfig
     from memopd.models import load_model
+    from memopd.retrieval import load_retriever
 
     model, tok = load_model(args.model, dtype="float32"), AutoTokenizer.from_pretrained(args.model)
     if eval_bench.has_episodes(args.benchmark, args.index):

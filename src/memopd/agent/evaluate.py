@@ -16,28 +16,14 @@ import torch
 
 from memopd.agent.backends import HFBackend, Sampling, VLLMBackend
 from memopd.agent.memory import RULES
-from memopd.agent.protocol import Task
+from memopd.agent.protocol import Task, load_tasks
 from memopd.agent.rollout import AgentConfig, rollout
 from memopd.inputs import ConfigError, section
 from memopd.records import Episode, save_episodes
+from memopd.retrieval import load_retriever
 from memopd.report.tables import write_csv, write_json
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
-
-
-def load_tasks(path: str | Path, limit: int | None = None) -> list[Task]:
-    """Tasks of a benchmark parquet (memopd.data.compose): n questions with their alias lists."""
-    from memopd.data.compose import read_tasks
-
-    rows = read_tasks(path)[:limit]
-    return [Task(r["task_id"], list(r["questions"]), [list(a) for a in r["answers"]], r["benchmark"]) for r in rows]
-
-
-def load_retriever(path: str | Path):
-    """The retrieval index built by `memopd retrieval index` (BM25 or dense, as recorded there)."""
-    from memopd.retrieval import load_retriever as load
-
-    return load(path)
 
 
 def make_sampling(rollout_cfg: dict, **overrides) -> Sampling:

@@ -37,6 +37,14 @@ SYSTEM_PROMPT = (
 
 
 @dataclass
+class Generation:
+    """What a generation backend (memopd.agent.backends) returns for one prompt: the exact sampled ids."""
+    output_ids: list[int]
+    logprobs: list[float] | None  # the policy's log-probs of output_ids (None where a backend has none)
+    stop_reason: str  # "stop" (stop string), "eos", "length"
+
+
+@dataclass
 class Task:
     """One task: n questions asked together (Q_n) or one question (Wiki-RAG), with alias lists."""
 
@@ -48,6 +56,14 @@ class Task:
     def __post_init__(self):
         if not self.questions or len(self.questions) != len(self.answers):
             raise ValueError(f"task {self.task_id!r}: {len(self.questions)} questions, {len(self.answers)} alias lists")
+
+
+def load_tasks(path, limit: int | None = None) -> list[Task]:
+    """Tasks of a benchmark parquet (memopd.data.compose): n questions with their alias lists."""
+    from memopd.data.compose import read_tasks
+
+    rows = read_tasks(path)[:limit]
+    return [Task(r["task_id"], list(r["questions"]), [list(a) for a in r["answers"]], r["benchmark"]) for r in rows]
 
 
 @dataclass(frozen=True)

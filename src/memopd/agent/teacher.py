@@ -26,9 +26,8 @@ import random
 import re
 from dataclasses import asdict, dataclass
 
-from memopd.agent.backends import Generation
-from memopd.agent.protocol import (ANSWER, ANSWER_END, INFO, INFO_END, SEARCH, SEARCH_END, THINK, THINK_END, Task,
-                                   encode, questions_text)
+from memopd.agent.protocol import (ANSWER, ANSWER_END, INFO, INFO_END, SEARCH, SEARCH_END, THINK, THINK_END, Generation,
+                                   Task, encode, questions_text)
 from memopd.metrics import exact_match
 
 # Function words dropped from a question to make a keyword query (the reformulation of a retry).

@@ -83,7 +83,7 @@ def by_benchmark(rows: list[tuple[dict, list[int]]]) -> dict:
 
 
 def _load(benchmarks: list[str], limit: int | None):
-    from memopd.agent.evaluate import load_tasks
+    from memopd.agent.protocol import load_tasks
 
     tasks = []
     for path in benchmarks:
@@ -103,8 +103,8 @@ def trajectories_step(cfg: dict, benchmarks: list[str], index: str, tokenizer_di
     teacher.shards - 1) plays only that slice of the tasks, every episode sampled as in the whole run;
     None plays them all. Tasks go `teacher.chunk_tasks` at a time, each chunk kept in `<out>.parts/` until
     `out` is written, so a rerun of an interrupted step plays only the chunks it lacks (agent/shards.py)."""
-    from memopd.agent.evaluate import load_retriever
     from memopd.models import load_tokenizer
+    from memopd.retrieval import load_retriever
 
     tc = cfg["teacher"]
     kind = tc["kind"]

@@ -38,8 +38,10 @@ def rollout_step(cfg: dict, model_dir: str, benchmark: str, index: str, out: str
     `cfg` holds the `agent`, `rollout` and `audit` sections. rule=None: audit.rule, else agent.rule."""
     from dataclasses import replace
 
-    from memopd.agent.evaluate import load_retriever, load_tasks, make_backend
+    from memopd.agent.evaluate import make_backend
+    from memopd.agent.protocol import load_tasks
     from memopd.agent.rollout import AgentConfig, rollout
+    from memopd.retrieval import load_retriever
 
     audit = cfg["audit"]
     rule = rule or audit.get("rule") or cfg["agent"]["rule"]

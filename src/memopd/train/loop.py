@@ -287,9 +287,11 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     `stop_after` ends the process after that many steps of this invocation (tests of resume).
     Under torchrun (WORLD_SIZE > 1) every rank calls this; only rank 0 writes files and calls `tracker`."""
     from memopd.agent.backends import HFBackend, VLLMBackend
-    from memopd.agent.evaluate import load_retriever, load_tasks, make_sampling
+    from memopd.agent.evaluate import make_sampling
+    from memopd.agent.protocol import load_tasks
     from memopd.agent.rollout import AgentConfig, rollout
     from memopd.models import DTYPES, load_tokenizer
+    from memopd.retrieval import load_retriever
 
     run = RunConfig.from_section(cfg["train"], method, seed)  # refuses a bad section before anything runs
     rcfg = cfg["rollout"]
