@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-import memopd.agent.evaluate as evaluate
+import memopd.retrieval
 from agent_support import nq_tasks, protocol_student, random_student, retriever, tokenizer
 from memopd.audit.alignment import domain_masks
 from memopd.audit.steps import read_episodes
@@ -55,7 +55,8 @@ def run(tmp_path_factory):
                              "answers": [t.answers for t in tasks], "benchmark": [t.benchmark for t in tasks]}),
                    d / "q2_test.parquet")
     mp = pytest.MonkeyPatch()
-    mp.setattr(evaluate, "load_retriever", lambda path: retriever())  # the real BM25 over real passages
+    # the real BM25 over real passages (the audit rollout opens its index with memopd.retrieval.load_retriever)
+    mp.setattr(memopd.retrieval, "load_retriever", lambda path: retriever())
     agent = ["--cfg", json.dumps(CFG), "--seed", "3", "--model", str(d / "student"), "--benchmark",
              str(d / "q2_test.parquet"), "--index", "unused"]
     try:
