@@ -20,8 +20,8 @@ from memopd.agent.protocol import Task, load_tasks
 from memopd.agent.rollout import AgentConfig, rollout
 from memopd.inputs import ConfigError, section
 from memopd.records import Episode, save_episodes
-from memopd.retrieval import load_retriever
 from memopd.report.tables import write_csv, write_json
+from memopd.retrieval import load_retriever
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
 

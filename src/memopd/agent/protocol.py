@@ -15,6 +15,7 @@ Parsing works on the decoded text of the recorded ids and never raises: every ma
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 THINK, THINK_END = "<think>", "</think>"
 SEARCH, SEARCH_END = "<search>", "</search>"
@@ -58,7 +59,7 @@ class Task:
             raise ValueError(f"task {self.task_id!r}: {len(self.questions)} questions, {len(self.answers)} alias lists")
 
 
-def load_tasks(path, limit: int | None = None) -> list[Task]:
+def load_tasks(path: str | Path, limit: int | None = None) -> list[Task]:
     """Tasks of a benchmark parquet (memopd.data.compose): n questions with their alias lists."""
     from memopd.data.compose import read_tasks
 
