@@ -181,6 +181,11 @@ def test_paper_scale_prefetches_first_and_every_compute_job_runs_offline(tmp_pat
         assert str(snapshot_dir("data/hf_home", repo, kind, rev)) in text, repo
         assert f'"{repo}"' not in text, repo
     assert PAPER["hub"]["revisions"]["PeterJinGo/wiki-18-corpus"] in text  # fetch_corpus: pinned, from the cache
+    # the torchrun jobs pass the job's CPUs on (a dry run caps them at its --cores): each rank takes its share
+    # (memopd.dist.rank_threads), not torchrun's inherited OMP_NUM_THREADS on every rank
+    for rule in ("train", "sft_train"):
+        found = [j for j in jobs if j["rule"] == rule]
+        assert found and all(re.search(r" --threads \d+ ", j["shell"]) for j in found), rule
 
 
 def test_the_embedded_default_has_no_prefetch_and_no_hub_settings(tmp_path):
@@ -214,3 +219,16 @@ def test_the_encodings_are_fetched_once_and_checked(tmp_path):
     with pytest.raises(RuntimeError, match="b.tiktoken: sha256 .* expected 00"):
         fetch_encodings(tmp_path / "home", src.as_uri() + "/", {"b.tiktoken": "00" * 32})
     assert not list(encodings_dir(tmp_path / "home").glob("b.tiktoken*"))
+
+
+def test_the_pinned_encodings_are_the_files_and_hashes_tiktoken_expects():
+    """The two encodings vLLM's gpt-oss recipe has a site place in TIKTOKEN_ENCODINGS_BASE, each pinned to the
+    sha256 that tiktoken checks before use (the expected_hash values of tiktoken_ext/openai_public.py, copied here
+    by hand: a missing file or a wrong hash would fail only on an offline compute node)."""
+    from memopd.prefetch import ENCODINGS, ENCODINGS_URL
+
+    assert ENCODINGS == {
+        "o200k_base.tiktoken": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+        "cl100k_base.tiktoken": "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
+    }
+    assert ENCODINGS_URL == "https://openaipublic.blob.core.windows.net/encodings/"

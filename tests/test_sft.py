@@ -502,3 +502,40 @@ def test_pretrain_cli_then_sft_from_its_output(tmp_path):
           "--tokenizer", str(init), "--out", str(tmp_path / "copy.parquet"), "--stats", str(tmp_path / "copy.json")])
     assert json.loads((tmp_path / "copy.json").read_text())["lm_examples"] == 0
     assert len(load_episodes(tmp_path / "copy.parquet")) == 40
+
+
+def test_sft_commands_open_the_process_group_with_the_configs_timeout(tmp_path, monkeypatch):
+    """`memopd sft train` and `sft eval` pass sft.dist_timeout_min to the process group (ranks wait in a barrier while
+    rank 0 writes a checkpoint of up to ~92 GB) and give each rank of the node its share of --threads."""
+    import memopd.dist
+    from memopd.cli import main
+
+    class Opened(Exception):
+        pass
+
+    seen = []
+
+    def setup_distributed(timeout_min=None):  # records the call, then stops the command before any work
+        seen.append((timeout_min, torch.get_num_threads()))
+        raise Opened
+
+    monkeypatch.setattr(memopd.dist, "setup_distributed", setup_distributed)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    (tmp_path / "examples.parquet").touch()
+    (tmp_path / "model").mkdir()
+    sft = {"min_reward": 0.5, "seq_len": 64, "grad_accum": 1, "lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 1,
+           "weight_decay": 0.0, "betas": [0.9, 0.95], "adam_eps": 1e-8, "clip": 1.0, "eval_fraction": 0.2,
+           "eval_every": 0, "checkpoint_every": 10, "precision": "fp32", "mode": "packed", "backend": "segmented",
+           "log_every": 1, "student": {"steps": 2}, "teacher": {"steps": 2}, "dist_timeout_min": 7.5}
+    common = ["--cfg", json.dumps(sft), "--seed", "3", "--threads", "4", "--role", "student",
+              "--examples", str(tmp_path / "examples.parquet")]
+    before = torch.get_num_threads()
+    try:
+        for argv in (["sft", "train", *common, "--init", str(tmp_path / "model"), "--out", str(tmp_path / "out")],
+                     ["sft", "eval", *common, "--name", "x", "--model", str(tmp_path / "model"),
+                      "--out", str(tmp_path / "eval.json")]):
+            with pytest.raises(Opened):
+                main(argv)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [(7.5, 2), (7.5, 2)]

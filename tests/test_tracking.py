@@ -164,6 +164,24 @@ def test_a_sqlite_store_is_refused_inside_a_slurm_job_unless_allowed(monkeypatch
     assert resolve_uri("sqlite:///results/mlflow.db") == "http://login01.cluster:5000"
 
 
+def test_a_jobs_tracking_section_decides_whether_sqlite_is_allowed_in_slurm(store, monkeypatch):
+    """What a job runs (`tracked` with the `tracking` section as --tracking JSON): inside SLURM the section's
+    sqlite_in_slurm_jobs is what lets a SQLite store through; without it the job refuses before opening a run."""
+    from memopd.tracking import tracked
+
+    uri, _ = store
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "17")
+    section = {"uri": uri, "experiment": "memopd"}
+    with pytest.raises(ValueError, match="cannot share a SQLite store"):
+        with tracked(json.dumps(section), "refused", {}, stage="test", model="m", seed=0):
+            pass
+    allowed = json.dumps({**section, "sqlite_in_slurm_jobs": True})
+    with tracked(allowed, "allowed", {}, stage="test", model="m", seed=0) as run:
+        run_id = run.run_id
+    assert _client(uri).get_run(run_id).info.run_name == "allowed"
+
+
 N_WRITERS, STEPS, PARAMS = 4, 150, 30
 
 

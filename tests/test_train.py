@@ -1,5 +1,6 @@
 """One PPO / MemOPD step on tiny models: runs, changes weights, lambda = 0 equals PPO, RCE guard fires."""
 import copy
+import gc
 import random
 
 import pytest
@@ -226,13 +227,15 @@ def test_the_engine_wakes_up_after_the_allocators_cache_is_freed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no GPU here: the engine and the allocator are fakes
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    # tensors held only by reference cycles are not in the allocator's free cache until collected
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("gc.collect") or 0)
     policy = torch.nn.Linear(2, 2)
     sync = WeightSync(llm, sleep=True)
     sync.sync(policy)  # awake: no wake-up, no cache to free
     sync.release()
     sync.sync(policy)
     assert calls == [("load_weights", 2), "reset_prefix_cache", ("sleep", 1),
-                     "empty_cache", "wake_up", ("load_weights", 2), "reset_prefix_cache"]
+                     "gc.collect", "empty_cache", "wake_up", ("load_weights", 2), "reset_prefix_cache"]
 
 
 def test_the_update_metrics_are_batch_means_by_hand():

@@ -252,6 +252,26 @@ def test_cli_train_writes_metrics_and_exports_the_policy(setup, tmp_path, capsys
     assert load_file(tmp_path / "export/model.safetensors").keys() == load_file(d / "student/model.safetensors").keys()
 
 
+def test_cli_train_gives_each_rank_its_share_of_the_threads(setup, tmp_path, monkeypatch):
+    """`memopd train --threads 4` with two ranks on the node (torchrun's LOCAL_WORLD_SIZE): the run sees 2 threads,
+    not the job's 4 on each rank."""
+    import memopd.train.loop
+    from memopd.cli import main
+
+    d, cfg = setup
+    seen = []
+    monkeypatch.setattr(memopd.train.loop, "train_run", lambda *a, **kw: seen.append(torch.get_num_threads()) or [])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    before = torch.get_num_threads()
+    try:
+        main(["train", "--cfg", json.dumps(cfg), "--method", "ppo", "--seed", "1", "--student", str(d / "student"),
+              "--tasks", str(d / "q2_train.parquet"), "--index", str(d / "index"), "--out-dir", str(tmp_path / "run"),
+              "--threads", "4"])
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [2]
+
+
 def test_the_rce_guard_tolerance_follows_the_training_dtype():
     from memopd.train.config import RunConfig
 
@@ -272,6 +292,8 @@ def test_the_train_section_is_typed_once_with_the_schemas_defaults():
     least = {"steps": 1, "batch_tasks": 1, "lr_actor": 1e-5, "lr_critic": 1e-4, "ppo": {}}
     run = RunConfig.from_section(least, "memopd", 3)
     assert (run.ppo.method, run.ppo.seed, run.dtype) == ("memopd", 3, "float32")
+    # a config that does not say so deletes a finished run's checkpoint (~74 GB per run at paper scale)
+    assert run.keep_checkpoint is False
     schema = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())["properties"]["train"]
     stated = {k: v["default"] for k, v in schema["properties"].items() if "default" in v}
     assert stated and all(getattr(run, k) == v for k, v in stated.items()), stated
