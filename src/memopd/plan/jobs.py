@@ -25,6 +25,7 @@ class Job:
     host_phases: dict = field(default_factory=dict)
     disk: dict = field(default_factory=dict)
     checks: list = field(default_factory=list)
+    note: str = ""  # said with each failure: what a site can do about it
 
     def add(self, phase: str, term: str, nbytes: float, formula: str) -> None:
         self.phases.setdefault(phase, {})[term] = (float(nbytes), formula)
@@ -58,7 +59,7 @@ class Job:
                        f"largest: {self._largest(self.host_terms())}")
         out += [f"{self.name}: {what} needs {need / GB:.1f} GB > {limit / GB:.1f} GB" for what, need, limit in self.checks
                 if need > limit]
-        return out
+        return [f"{line} ({self.note})" for line in out] if self.note else out
 
     @staticmethod
     def _largest(terms: dict) -> str:

@@ -182,6 +182,8 @@ def plan_sft(cfg: dict) -> list[Job]:
     job.add("forward", "loss chunk", 2048 * m.vocab * 16, "2048 x V x 16 B")
     m = role_spec(cfg, "student")  # bench_sft: a fp32 AdamW copy per path (sft/bench.py PATHS) of student_init
     job = _job(cfg, "bench_sft")
+    job.note = ("a benchmark outside `all`: the student and three AdamW copies of it on one GPU; run it with "
+                "config/small.yaml's model, or leave it out with --rules")
     _common(job, cfg, "step")
     job.add("step", "model + 3 path copies (AdamW)", m.params * 4 + 3 * m.params * 16, "P x 4 B + 3 x P x 16 B")
     job.add("step", "activations", sft["seq_len"] * act_per_token(m, "float32"), f"seq_len {sft['seq_len']} x a(fp32) x L")
