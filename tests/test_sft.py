@@ -17,6 +17,12 @@ from memopd.sft.loss import packed_target_loss, padded_target_loss
 from memopd.sft.trainer import TrainConfig, evaluate, lr_factor, train
 from memopd.synthetic import RULES, random_episode
 
+# a complete `sft` section for the tiny models of these tests
+TINY_SFT = {"min_reward": 0.5, "seq_len": 64, "grad_accum": 1, "lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 1,
+            "weight_decay": 0.0, "betas": [0.9, 0.95], "adam_eps": 1e-8, "clip": 1.0, "eval_fraction": 0.2,
+            "eval_every": 0, "checkpoint_every": 10, "precision": "fp32", "mode": "packed", "backend": "segmented",
+            "log_every": 1, "student": {"steps": 2}, "teacher": {"steps": 2}}
+
 POOL = list(range(3, 512))
 CFG = TrainConfig(seq_len=160, grad_accum=2, lr=3e-3, min_lr_ratio=0.1, warmup_steps=2, weight_decay=0.01,
                   betas=(0.9, 0.95), adam_eps=1e-8, clip=1.0, eval_fraction=0.1, eval_every=4, checkpoint_every=3,
@@ -478,11 +484,7 @@ def test_pretrain_cli_then_sft_from_its_output(tmp_path):
                                  num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
                                  use_sliding_window=False)).save_pretrained(init)
     train_tokenizer(texts, 300, init)
-    sft = {"min_reward": 0.5, "seq_len": 64, "grad_accum": 1, "lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 1,
-           "weight_decay": 0.0, "betas": [0.9, 0.95], "adam_eps": 1e-8, "clip": 1.0, "eval_fraction": 0.2,
-           "eval_every": 0, "checkpoint_every": 10, "precision": "fp32", "mode": "packed", "backend": "segmented",
-           "log_every": 1, "student": {"steps": 2}, "teacher": {"steps": 2},
-           "pretrain": {"lm_text": True, "copy": {"per_text": 1, "span": [3, 6]}, "student": {"steps": 3}}}
+    sft = {**TINY_SFT, "pretrain": {"lm_text": True, "copy": {"per_text": 1, "span": [3, 6]}, "student": {"steps": 3}}}
     common = ["--cfg", json.dumps(sft), "--seed", "3"]
     main(["sft", "lm-data", *common, "--corpus", str(tmp_path / "corpus.parquet"), "--tokenizer", str(init),
           "--out", str(tmp_path / "lm.parquet"), "--stats", str(tmp_path / "lm.json")])
@@ -523,10 +525,7 @@ def test_sft_commands_open_the_process_group_with_the_configs_timeout(tmp_path, 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     (tmp_path / "examples.parquet").touch()
     (tmp_path / "model").mkdir()
-    sft = {"min_reward": 0.5, "seq_len": 64, "grad_accum": 1, "lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 1,
-           "weight_decay": 0.0, "betas": [0.9, 0.95], "adam_eps": 1e-8, "clip": 1.0, "eval_fraction": 0.2,
-           "eval_every": 0, "checkpoint_every": 10, "precision": "fp32", "mode": "packed", "backend": "segmented",
-           "log_every": 1, "student": {"steps": 2}, "teacher": {"steps": 2}, "dist_timeout_min": 7.5}
+    sft = {**TINY_SFT, "dist_timeout_min": 7.5}
     common = ["--cfg", json.dumps(sft), "--seed", "3", "--threads", "4", "--role", "student",
               "--examples", str(tmp_path / "examples.parquet")]
     before = torch.get_num_threads()
