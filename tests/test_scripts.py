@@ -176,3 +176,43 @@ def test_name_copy_probe_scores_the_token_after_each_prefix(tmp_path):
     # the surname wrong: one name token of two; the token before the question's first word is not counted
     assert ncp.count(oracle({start + 3, start - 1}), tok, first) == {"name": [1, 2], "template": [2, 2]}
     assert ncp.count(oracle({start}), tok, first) == {"name": [2, 2], "template": [1, 2]}
+
+
+def test_induction_probe_counts_the_repeat_only():
+    import torch
+
+    ip = _load("induction_probe")
+    seqs = ip.sequences(list(range(10, 50)), 20, (3, 9), seed=1)
+    assert seqs == ip.sequences(list(range(10, 50)), 20, (3, 9), seed=1)  # seeded
+    assert all(3 <= len(s) <= 9 and set(s) <= set(range(10, 50)) for s in seqs)
+    assert len({tuple(s) for s in seqs}) == 20
+    total = sum(len(s) - 1 for s in seqs)
+
+    def copier(wrong_first_half=False):
+        """Logits of a perfect copy of the first half (and, if asked, the wrong token 0 everywhere before)."""
+        def logits_of(ids):
+            n = len(ids) // 2
+            out = torch.zeros(len(ids), 60)
+            for j in range(len(ids) - 1):
+                out[j, ids[j + 1] if j >= n else (0 if wrong_first_half else ids[j + 1])] = 1.0
+            return out
+        return logits_of
+
+    assert ip.repeat_accuracy(copier(), seqs) == (total, total)
+    assert ip.repeat_accuracy(copier(wrong_first_half=True), seqs) == (total, total)  # the first half is not scored
+
+    def constant(ids):
+        out = torch.zeros(len(ids), 60)
+        out[:, 0] = 1.0
+        return out
+
+    assert ip.repeat_accuracy(constant, seqs) == (0, total)
+
+    def off_by_one(ids):  # predicts the token two ahead: right nowhere in a sequence of distinct tokens
+        out = torch.zeros(len(ids), 60)
+        for j in range(len(ids) - 2):
+            out[j, ids[j + 2]] = 1.0
+        return out
+
+    distinct = [[10, 11, 12, 13], [20, 21, 22]]
+    assert ip.repeat_accuracy(off_by_one, distinct) == (0, 5)

@@ -1,10 +1,12 @@
 """SFT: turn-level examples, bin packing, the target-only loss (packed = per example = padded), the
 trainer's resumption, distributed equivalence, and the `memopd sft` commands end to end."""
+import hashlib
 import json
 import random
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -421,6 +423,80 @@ def test_copy_examples_target_is_the_context_span():
     assert copy_examples(texts, per_text=0, span=(4, 9), sep=[1], eos=2, seed=0) == []
 
 
+def test_repeat_examples_are_random_sequences_given_twice():
+    from memopd.sft.data import repeat_examples
+
+    vocab = list(range(100, 140))
+    ex = repeat_examples(vocab, 400, (3, 9), sep=[7, 8], eos=2, seed=5)
+    assert len(ex) == 400 and len({x.task_id for x in ex}) == 400
+    for x in ex:
+        inv = x.invocations[0]
+        s = inv.output_ids[:-1]
+        assert inv.input_ids == s + [7, 8] and inv.output_ids[-1] == 2 and 3 <= len(s) <= 9
+        assert set(s) <= set(vocab) and x.metrics["source_task"] == x.task_id
+    drawn = [t for x in ex for t in x.invocations[0].output_ids[:-1]]
+    counts = np.bincount(drawn, minlength=140)[100:]
+    assert counts.min() > 0.5 * len(drawn) / 40 and counts.max() < 1.5 * len(drawn) / 40  # uniform over vocab
+    lengths = [len(x.invocations[0].output_ids) - 1 for x in ex]
+    assert set(lengths) == set(range(3, 10))  # every length of the range occurs
+    same = repeat_examples(vocab, 400, (3, 9), sep=[7, 8], eos=2, seed=5)
+    assert [x.invocations[0].input_ids for x in same] == [x.invocations[0].input_ids for x in ex]
+    other = repeat_examples(vocab, 400, (3, 9), sep=[7, 8], eos=2, seed=6)
+    assert [x.invocations[0].input_ids for x in other] != [x.invocations[0].input_ids for x in ex]
+    assert repeat_examples([], 0, (3, 9), [7], 2, 0) == []
+    for bad in [(0, 4), (5, 4)]:
+        with pytest.raises(ValueError, match="length"):
+            repeat_examples(vocab, 1, bad, [7], 2, 0)
+
+
+def test_sft_repeats_config_and_its_tokens(tmp_path):
+    from memopd.models import train_tokenizer
+    from memopd.sft.commands import stage_repeats
+
+    section = {**TINY_SFT, "repeats": 30, "repeat_length": [2, 5]}
+    cfg = TrainConfig.from_section(section, "student")
+    assert cfg.repeats == 30 and cfg.repeat_length == (2, 5)
+    assert TrainConfig.from_section(TINY_SFT, "student").repeats == 0
+    role = {**section, "student": {"steps": 2, "repeats": 3}}
+    assert TrainConfig.from_section(role, "student").repeats == 3
+    for bad in [{"repeats": -1}, {"repeats": 1, "repeat_length": [0, 3]}, {"repeats": 1, "repeat_length": [4, 3]},
+                {"repeats": 1, "repeat_length": [4, 32]}]:  # 2 x 32 + 2 tokens > seq_len 64
+        with pytest.raises(ValueError, match="repeat"):
+            TrainConfig.from_section({**TINY_SFT, **bad}, "student")
+    assert TrainConfig.from_section({**TINY_SFT, "repeats": 1, "repeat_length": [4, 31]}, "student").repeats == 1
+    train_tokenizer([f"the river {i} flows into the sea near town {i % 5}" for i in range(40)], 300, tmp_path)
+    from memopd.models import load_tokenizer
+    tok = load_tokenizer(tmp_path)
+    ex = stage_repeats(str(tmp_path), cfg, seed=1)
+    added = set(tok.get_added_vocab().values())
+    assert len(added) > 2 and len(ex) == 30
+    drawn = {t for x in ex for t in x.invocations[0].output_ids[:-1]}
+    assert not drawn & added and drawn <= set(range(len(tok)))
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    for x in ex:
+        inv = x.invocations[0]
+        assert inv.input_ids == inv.output_ids[:-1] + newline and inv.output_ids[-1] == tok.eos_token_id
+    assert stage_repeats(str(tmp_path), TrainConfig.from_section(TINY_SFT, "student"), seed=1) == []
+
+
+def test_fingerprint_keeps_its_old_value_without_repeats(examples):
+    from dataclasses import asdict
+
+    from memopd.sft.trainer import fingerprint
+
+    ids = {"init": "x"}
+    base = fingerprint(CFG, 0, examples, 1, ids)
+    assert fingerprint(replace(CFG, repeat_length=(1, 2)), 0, examples, 1, ids) == base  # no repeats: not hashed
+    assert fingerprint(replace(CFG, repeats=3), 0, examples, 1, ids) != base
+    old = {k: v for k, v in asdict(CFG).items() if k not in ("activation_checkpointing", "shard", "repeats",
+                                                                "repeat_length")}
+    h = hashlib.sha256(json.dumps([old, 0, 1, ids], sort_keys=True, default=str).encode())
+    for x in examples:
+        inv = x.invocations[0]
+        h.update(np.array(inv.input_ids + [-1] + inv.output_ids + [-2], dtype=np.int64).tobytes())
+    assert base == h.hexdigest()[:16]  # the hash a checkpoint written before the option carries
+
+
 def test_copy_examples_with_a_long_context_hold_the_source_text_among_others():
     from memopd.sft.data import copy_examples
 
@@ -499,6 +575,18 @@ def test_pretrain_cli_then_sft_from_its_output(tmp_path):
     info = json.loads((tmp_path / "student_sft" / "memopd_model.json").read_text())
     assert info["pretrain"]["steps"] == 3 and info["pretrain"]["config"]["eval_fraction"] == 0.0
     assert info["sft"]["steps"] == 2 and info["init"] == str(tmp_path / "student_lm")
+    # sft.repeats: that many more training examples in either stage, the held-out split unchanged
+    with_repeats = {**sft, "repeats": 7, "repeat_length": [4, 12], "pretrain": {**sft["pretrain"], "student": {"steps": 3, "repeats": 4}}}
+    common = ["--cfg", json.dumps(with_repeats), "--seed", "3", "--threads", "1", "--role", "student"]
+    main(["sft", "train", *common, "--stage", "pretrain", "--examples", str(tmp_path / "lm.parquet"),
+          "--init", str(init), "--out", str(tmp_path / "rep_lm")])
+    main(["sft", "train", *common, "--examples", str(tmp_path / "lm.parquet"), "--init", str(tmp_path / "rep_lm"),
+          "--out", str(tmp_path / "rep_sft")])
+    rep = json.loads((tmp_path / "rep_sft" / "memopd_model.json").read_text())
+    assert rep["pretrain"]["train_examples"] == info["pretrain"]["train_examples"] + 4
+    assert rep["sft"]["train_examples"] == info["sft"]["train_examples"] + 7
+    assert rep["sft"]["heldout_examples"] == info["sft"]["heldout_examples"] > 0
+    assert rep["sft"]["fingerprint"] != info["sft"]["fingerprint"]
     sft["pretrain"]["lm_text"] = False
     main(["sft", "lm-data", "--cfg", json.dumps(sft), "--seed", "3", "--corpus", str(tmp_path / "corpus.parquet"),
           "--tokenizer", str(init), "--out", str(tmp_path / "copy.parquet"), "--stats", str(tmp_path / "copy.json")])

@@ -123,6 +123,20 @@ def cmd_sft_lm_data(args, cfg):
           f"{len(copies)} copy examples -> {args.out}")
 
 
+def stage_repeats(tokenizer_dir: str, tcfg, seed: int) -> list:
+    """The stage's `sft.repeats` examples over the tokenizer's ordinary tokens (no added or special token)."""
+    from memopd.models import load_tokenizer
+    from memopd.sft.data import repeat_examples
+
+    if not tcfg.repeats:
+        return []
+    tok = load_tokenizer(tokenizer_dir)
+    added = set(tok.get_added_vocab().values()) | set(tok.all_special_ids)
+    vocab = [i for i in range(len(tok)) if i not in added]
+    sep = tok("\n", add_special_tokens=False)["input_ids"]
+    return repeat_examples(vocab, tcfg.repeats, tcfg.repeat_length, sep, tok.eos_token_id, seed)
+
+
 def cmd_sft_train(args, cfg):
     import torch
 
@@ -138,6 +152,8 @@ def cmd_sft_train(args, cfg):
     device = setup_distributed(tcfg.dist_timeout_min)
     rank, world, _ = dist_info()
     train_ex, heldout = split_heldout(load_episodes(args.examples), tcfg.eval_fraction, args.seed)
+    seed = args.seed if tcfg.seed is None else tcfg.seed  # the held-out split above keeps args.seed
+    train_ex += stage_repeats(args.init, tcfg, seed)  # training only: the held-out loss stays the agent's
     model = load_model(args.init, dtype="float32", device=str(device))  # fp32 master weights
     st = (Path(args.init) / "model.safetensors").stat()
     identity = {"init": str(Path(args.init).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -150,7 +166,6 @@ def cmd_sft_train(args, cfg):
                         "benchmark": "sft/" + Path(args.examples).stem}) as run:
         if rank == 0:
             run.log_input(args.examples, "train", name="sft/" + Path(args.examples).stem)
-        seed = args.seed if tcfg.seed is None else tcfg.seed  # the held-out split above keeps args.seed
         summary = train(model, train_ex, heldout, tcfg, seed, out / "checkpoint", log=run.log_metrics,
                         identity=identity)
         # sft.shard fsdp: the weights gathered from the shards (collective), kept by rank 0 only

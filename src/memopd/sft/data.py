@@ -223,3 +223,22 @@ def copy_examples(token_lists: list[list[int]], per_text: int, span: tuple[int, 
                                invocations=[Invocation(ctx, piece + [eos])],
                                metrics={"source_task": f"copy{r}/{i}"}))
     return out
+
+
+def repeat_examples(vocab: list[int], n: int, length: tuple[int, int], sep: list[int], eos: int,
+                    seed: int) -> list[Episode]:
+    """`n` sequences of length[0]..length[1] tokens drawn uniformly from `vocab`, each as context (+ `sep`)
+    and again as target (+ eos). Unlike a copy of corpus text, which weights that memorised the corpus can
+    produce, a random sequence can be repeated only by attending to its earlier occurrence: these examples
+    grow and keep the induction copy the agent needs to put a question's unseen name into its query (a
+    tiny model's SFT otherwise unlearns it; docs/study.md). Seeded."""
+    lo, hi = length
+    if n and (not vocab or not 1 <= lo <= hi):
+        raise ValueError(f"repeat examples need a vocabulary and 1 <= min <= max length (got {len(vocab)} tokens, {length})")
+    rng = random.Random(f"repeat/{seed}")
+    out = []
+    for i in range(n):
+        s = [rng.choice(vocab) for _ in range(rng.randint(lo, hi))]
+        out.append(Episode(task_id=f"repeat/{i}", prefix_len=0, invocations=[Invocation(s + list(sep), s + [eos])],
+                           metrics={"source_task": f"repeat/{i}"}))
+    return out

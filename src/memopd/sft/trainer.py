@@ -107,6 +107,8 @@ class TrainConfig:
     shard: str = "none"  # none (a replica per rank, DDP) | fsdp (FSDP2 shards over the ranks)
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward
     dist_timeout_min: float = TIMEOUT_MIN  # how long a rank waits in a collective (rank 0 writing a checkpoint)
+    repeats: int = 0  # random-token sequences, each repeated, added to the training split (sft.data.repeat_examples)
+    repeat_length: tuple[int, int] = (16, 96)  # [min, max] tokens of such a sequence
 
     @classmethod
     def from_section(cls, section: dict, role: str | None = None) -> "TrainConfig":
@@ -123,11 +125,19 @@ class TrainConfig:
         if missing := required - set(merged):
             raise ValueError(f"SFT config lacks {sorted(missing)}")
         merged["betas"] = tuple(merged["betas"])
+        if "repeat_length" in merged:
+            merged["repeat_length"] = tuple(merged["repeat_length"])
         cfg = cls(**merged)
         if (cfg.steps is None) == (cfg.epochs is None):
             raise ValueError("SFT config needs exactly one budget: steps or epochs")
         if cfg.precision not in ("fp32", "bf16") or cfg.mode not in ("packed", "padded"):
             raise ValueError(f"bad precision {cfg.precision!r} or mode {cfg.mode!r}")
+        if cfg.repeats < 0 or not 1 <= cfg.repeat_length[0] <= cfg.repeat_length[1]:
+            raise ValueError(f"sft.repeats {cfg.repeats} / repeat_length {list(cfg.repeat_length)}: "
+                             "need repeats >= 0 and 1 <= min <= max")
+        if cfg.repeats and 2 * cfg.repeat_length[1] + 2 > cfg.seq_len:  # the sequence twice, a separator and eos
+            raise ValueError(f"sft.repeat_length {list(cfg.repeat_length)}: a repeat example of up to "
+                             f"{2 * cfg.repeat_length[1] + 2} tokens exceeds seq_len {cfg.seq_len}")
         if cfg.shard not in parallel.SHARDING:
             raise ValueError(f"sft.shard {cfg.shard!r}: choose from {parallel.SHARDING}")
         return cfg
@@ -160,6 +170,8 @@ def fingerprint(cfg: TrainConfig, seed: int, examples: list[Episode], world: int
     # neither (its fingerprint stays what it was before the option existed); fsdp stores its optimizer
     # state by parameter name, so it is resumed by fsdp runs only
     config = {k: v for k, v in asdict(cfg).items() if k != "activation_checkpointing" and (k, v) != ("shard", "none")}
+    if not cfg.repeats:  # no repeats: the fingerprint of a run from before the option
+        config = {k: v for k, v in config.items() if k not in ("repeats", "repeat_length")}
     h = hashlib.sha256(json.dumps([config, seed, world, identity], sort_keys=True, default=str).encode())
     for x in examples:
         inv = x.invocations[0]
