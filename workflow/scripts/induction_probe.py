@@ -1,4 +1,4 @@
-"""Induction probe of the controlled study (docs/study.md "Status"): can a model copy what it cannot have
+"""Induction probe of the controlled study (docs/study.md "Why the copy came late"): can a model copy what it cannot have
 memorised? Seeded random sequences of the tokenizer's ordinary tokens, each followed by itself; we count how
 often the model's greedy next token is right over the repeat (its first token excluded: nothing points to
 it). A copy of corpus text can come from weights that memorised the corpus; a copy of random tokens can
