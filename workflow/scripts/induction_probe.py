@@ -1,5 +1,5 @@
-"""Induction probe of the controlled study (docs/study.md "Why the copy came late"): can a model copy what it cannot have
-memorised? Seeded random sequences of the tokenizer's ordinary tokens, each followed by itself; we count how
+"""Induction probe of the controlled study (docs/study.md "Why the copy came late"): can a model copy what
+it cannot have memorised? Seeded random sequences of the tokenizer's ordinary tokens, each followed by itself; we count how
 often the model's greedy next token is right over the repeat (its first token excluded: nothing points to
 it). A copy of corpus text can come from weights that memorised the corpus; a copy of random tokens can
 come only from attention to the earlier occurrence (an induction head), the mechanism the agent needs to

@@ -234,7 +234,8 @@ def repeat_examples(vocab: list[int], n: int, length: tuple[int, int], sep: list
     tiny model's SFT otherwise unlearns it; docs/study.md). Seeded."""
     lo, hi = length
     if n and (not vocab or not 1 <= lo <= hi):
-        raise ValueError(f"repeat examples need a vocabulary and 1 <= min <= max length (got {len(vocab)} tokens, {length})")
+        raise ValueError(f"repeat examples need a vocabulary and 1 <= min <= max length "
+                         f"(got {len(vocab)} tokens, {length})")
     rng = random.Random(f"repeat/{seed}")
     out = []
     for i in range(n):
