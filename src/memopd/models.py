@@ -55,6 +55,12 @@ def load_tokenizer(path: str | Path, offline: bool = True):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=offline)
 
 
+def ordinary_token_ids(tokenizer) -> list[int]:
+    """Ids of a (transformers) tokenizer's vocabulary without its added and special tokens."""
+    added = set(tokenizer.get_added_vocab().values()) | set(tokenizer.all_special_ids)
+    return [i for i in range(len(tokenizer)) if i not in added]
+
+
 def tiny_config(arch: dict, tokenizer):
     """A Qwen2 (the Qwen2.5 architecture) config from a small dict of sizes."""
     from transformers import Qwen2Config

@@ -14,8 +14,9 @@ import json
 import random
 
 import torch
-from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
+
+from memopd.models import load_tokenizer, ordinary_token_ids  # the tokens `sft.repeats` draws from
 
 
 def sequences(vocab: list[int], n: int, length: tuple[int, int], seed: int) -> list[list[int]]:
@@ -36,20 +37,14 @@ def repeat_accuracy(logits_of, seqs: list[list[int]]) -> tuple[int, int]:
     return right, total
 
 
-def ordinary_tokens(tok: Tokenizer) -> list[int]:
-    special = {t.content for t in tok.get_added_tokens_decoder().values()}
-    return [i for i in range(tok.get_vocab_size()) if tok.id_to_token(i) not in special]
-
-
 def probe(model_dir: str, n: int, length: tuple[int, int], seed: int) -> dict:
-    tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def logits_of(ids):
         with torch.no_grad():
             return model(torch.tensor([ids])).logits[0]
 
-    right, total = repeat_accuracy(logits_of, sequences(ordinary_tokens(tok), n, length, seed))
+    right, total = repeat_accuracy(logits_of, sequences(ordinary_token_ids(load_tokenizer(model_dir)), n, length, seed))
     return {"model": model_dir, "sequences": n, "length": list(length), "seed": seed,
             "repeat_tokens_right": f"{right}/{total} = {right / max(total, 1):.3f}"}
 

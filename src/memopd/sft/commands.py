@@ -125,16 +125,14 @@ def cmd_sft_lm_data(args, cfg):
 
 def stage_repeats(tokenizer_dir: str, tcfg, seed: int) -> list:
     """The stage's `sft.repeats` examples over the tokenizer's ordinary tokens (no added or special token)."""
-    from memopd.models import load_tokenizer
+    from memopd.models import load_tokenizer, ordinary_token_ids
     from memopd.sft.data import repeat_examples
 
     if not tcfg.repeats:
         return []
     tok = load_tokenizer(tokenizer_dir)
-    added = set(tok.get_added_vocab().values()) | set(tok.all_special_ids)
-    vocab = [i for i in range(len(tok)) if i not in added]
     sep = tok("\n", add_special_tokens=False)["input_ids"]
-    return repeat_examples(vocab, tcfg.repeats, tcfg.repeat_length, sep, tok.eos_token_id, seed)
+    return repeat_examples(ordinary_token_ids(tok), tcfg.repeats, tcfg.repeat_length, sep, tok.eos_token_id, seed)
 
 
 def cmd_sft_train(args, cfg):
