@@ -7,6 +7,7 @@ these tests skip. Each test appends a line to one module of that run's src/, dry
 """
 from __future__ import annotations
 
+import base64
 import os
 import re
 import subprocess
@@ -55,3 +56,25 @@ def test_a_change_of_the_audit_steps_reruns_the_audits_and_no_training():
     rules = _after_change("audit/steps.py")
     assert {"audit_alignment", "audit_state_corruption", "audit_episodes"} <= set(rules), rules
     assert not {"train", "sft_train", "eval", "results_tables"} & set(rules), rules
+
+
+def test_a_study_killed_mid_job_resumes_when_its_rule_reruns():
+    """A hard kill leaves Snakemake's incomplete marker on a nested job's output; the command of rule study must
+    then plan that job again rather than stop with IncompleteFilesException (the study runs for hours)."""
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--forcerun", "study", "all",
+                          "--configfile", "config/smoke.yaml"], cwd=SMOKE, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    command = next(line.removeprefix("Shell command: ") for line in (out.stdout + out.stderr).splitlines()
+                   if line.startswith("Shell command: ") and " -d results/study " in line)
+    command = command.split(" > ")[0] + " -n"  # the nested workflow's plan, without running it
+    # Snakemake's file persistence: .snakemake/incomplete/<urlsafe base64 of the output's path>
+    marker = Path(SMOKE, "results/study/.snakemake/incomplete",
+                  base64.urlsafe_b64encode(b"results/tables/matched_control.csv").decode())
+    marker.write_text('{"external_jobid": null}')
+    try:
+        nested = subprocess.run(command, shell=True, cwd=SMOKE, capture_output=True, text=True, timeout=300)
+    finally:
+        marker.unlink()
+    text = nested.stdout + nested.stderr
+    assert nested.returncode == 0 and "IncompleteFilesException" not in text, text[-2000:]
+    assert re.search(r"^matched_control\s+1$", text, re.M), text[-2000:]

@@ -44,5 +44,7 @@ if STUDY:
         conda:
             ENV_CPU
         shell:
-            "{params.snakemake} -s {params.snakefile} -d {params.dir} -c {threads} {params.targets} "
-            "--configfile {params.configfiles} > {log} 2>&1"
+            # --rerun-incomplete: a study killed mid-job (hours long) resumes when its rule is rerun; each
+            # training run restarts from its last checkpoint
+            "{params.snakemake} -s {params.snakefile} -d {params.dir} -c {threads} --rerun-incomplete "
+            "{params.targets} --configfile {params.configfiles} > {log} 2>&1"
