@@ -171,6 +171,18 @@ def test_every_output_of_rule_study_is_written_by_the_nested_workflow(tmp_path):
     assert declared <= written, (sorted(declared - written), nested.stderr[-3000:])
 
 
+def test_the_documented_study_command_gives_the_nested_workflow_both_cores():
+    """docs/study.md's command runs the study as one job of the default config: its nested workflow must get the
+    cores of `-c 2` (the training runs go two side by side) and a SLURM time limit of hours, not the default's."""
+    res = snakemake("-n", "-p", "--forceall", "-c", "2", "results/study/results/tables/matched_control.csv",
+                    "--config", "study={configs: [config/study.yaml]}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    job = _dry_run_blocks(res.stdout)["study"][0]
+    assert "cpus_per_task=2" in job["resources"] and "runtime=480" in job["resources"], job
+    shell = next(line for line in res.stdout.splitlines() if " -d results/study " in line)
+    assert " -c 2 " in shell, shell
+
+
 def _evaluated(dry_run_stdout):
     """{(model, benchmark)} of the eval jobs of a dry run."""
     return {tuple(b["output"].split(",")[0].split("/")[2:4]) for b in _dry_run_blocks(dry_run_stdout).get("eval", [])}
