@@ -3,6 +3,7 @@ trainer's resumption, distributed equivalence, and the `memopd sft` commands end
 import hashlib
 import json
 import random
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -541,7 +542,7 @@ def test_pretrain_stage_takes_its_budgets_and_no_heldout():
         stage_section(section, "bogus")
 
 
-def test_pretrain_cli_then_sft_from_its_output(tmp_path):
+def test_pretrain_cli_then_sft_from_its_output(tmp_path, capsys):
     """`sft lm-data` (corpus -> LM + copy examples) and `sft train --stage pretrain`, whose output SFT then
     starts from; the model record keeps both stages."""
     import pyarrow as pa
@@ -568,10 +569,13 @@ def test_pretrain_cli_then_sft_from_its_output(tmp_path):
     assert stats["passages"] == 40 and stats["lm_examples"] == 40 and stats["copy_examples"] == 40
     lm = load_episodes(tmp_path / "lm.parquet")
     assert len(lm) == 80 and all(example_len(x) <= 64 for x in lm)
+    capsys.readouterr()
     main(["sft", "train", *common, "--threads", "1", "--stage", "pretrain", "--role", "student",
           "--examples", str(tmp_path / "lm.parquet"), "--init", str(init), "--out", str(tmp_path / "student_lm")])
+    assert "no held-out examples" in capsys.readouterr().out  # pre-training holds none out: no "loss nan"
     main(["sft", "train", *common, "--threads", "1", "--role", "student", "--examples", str(tmp_path / "lm.parquet"),
           "--init", str(tmp_path / "student_lm"), "--out", str(tmp_path / "student_sft")])
+    assert re.search(r"held-out target loss \d+\.\d{4} ->", capsys.readouterr().out)
     info = json.loads((tmp_path / "student_sft" / "memopd_model.json").read_text())
     assert info["pretrain"]["steps"] == 3 and info["pretrain"]["config"]["eval_fraction"] == 0.0
     assert info["sft"]["steps"] == 2 and info["init"] == str(tmp_path / "student_lm")

@@ -185,9 +185,9 @@ def cmd_sft_train(args, cfg):
         torch.distributed.destroy_process_group()
     if rank == 0:
         h = summary["heldout"]
+        heldout = f"held-out target loss {h['target_loss']:.4f}" if h else "no held-out examples"
         print(f"{args.stage} {args.role}: {summary['steps']} steps ({summary['epochs']:.2f} epochs) in "
-              f"{summary['train_seconds']:.0f} s; held-out target loss "
-              f"{h['target_loss'] if h else float('nan'):.4f} -> {out}")
+              f"{summary['train_seconds']:.0f} s; {heldout} -> {out}")
 
 
 def cmd_sft_eval(args, cfg):
