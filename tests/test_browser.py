@@ -117,7 +117,7 @@ def _fill_store(d: Path, tracking: str) -> None:
               "--out-dir", str(d / f"eval/{method}_seed{seed}"), "--tracking", tracking])
     main(["report", "curves", "--cfg", json.dumps(cfg["train"]),
           "--metrics", *map(str, sorted(d.glob("train/*/seed*/metrics.jsonl"))),
-          "--figure", str(d / "training_curves.png"), "--tracking", tracking])
+          "--figure", str(d / "training_curves.png"), "--table", str(d / "training_curves.csv"), "--tracking", tracking])
 
 
 def _column_values(b: Browser, metric: str) -> list[str]:

@@ -8,7 +8,7 @@ import statistics
 import numpy as np
 import pytest
 
-from memopd.stats import bootstrap_ci, paired_bootstrap, percentile_indices, ratio_interval
+from memopd.stats import bootstrap_ci, paired_bootstrap, percentile_indices, ratio_interval, unpaired_bootstrap
 
 VALUES = [0.31, 0.12, 0.55, 0.48, 0.27, 0.9, 0.05, 0.62, 0.4, 0.33, 0.71, 0.18]
 OTHER = [v + d for v, d in zip(VALUES, [0.1, -0.05, 0.2, 0.0, 0.07, -0.1, 0.15, 0.02, 0.3, -0.02, 0.05, 0.12])]
@@ -53,6 +53,29 @@ def test_paired_bootstrap_is_the_quantile_of_the_resampled_pairs(level, n_boot, 
     assert pb["diff"] == pytest.approx(statistics.fmean(OTHER) - statistics.fmean(VALUES))
     lo, hi = pb["diff_ci"]
     assert min(diffs) < lo < pb["diff"] < hi < max(diffs)  # neither end is an extreme resample
+
+
+@pytest.mark.parametrize("level,n_boot,seed", [(0.95, 2000, 0), (0.75, 2000, 9)])
+def test_unpaired_bootstrap_resamples_each_side_on_its_own(level, n_boot, seed):
+    base, other = VALUES, OTHER[:7]  # unequal sizes: nothing is paired
+    rng = random.Random(seed)
+    diffs = []
+    for _ in range(n_boot):
+        o = statistics.fmean(rng.choices(other, k=len(other)))  # other first, then base, as the code draws them
+        diffs.append(o - statistics.fmean(rng.choices(base, k=len(base))))
+    diff, lo, hi = unpaired_bootstrap(base, other, n_boot=n_boot, seed=seed, level=level)
+    assert diff == pytest.approx(np.mean(other) - np.mean(base))
+    assert (lo, hi) == _ends(diffs, level)
+    assert min(diffs) < lo < diff < hi < max(diffs)
+
+
+def test_unpaired_bootstrap_by_hand():
+    diff, lo, hi = unpaired_bootstrap([1.0, 1.0, 1.0], [3.0, 3.0])  # no spread: every resample is the point
+    assert (diff, lo, hi) == (2.0, 2.0, 2.0)
+    d, lo, hi = unpaired_bootstrap([0.0, 0.1, 0.2, 0.1], [1.0, 1.1, 0.9, 1.0])  # far apart: the interval excludes 0
+    assert 0 < lo <= d <= hi
+    assert unpaired_bootstrap([1.0], [2.0, 4.0])[0] == 2.0 and all(v != v for v in unpaired_bootstrap([1.0], [2.0, 4.0])[1:])
+    assert all(v != v for v in unpaired_bootstrap([], [1.0, 2.0]))
 
 
 def test_ratio_interval_is_the_quantile_of_the_resampled_medians():

@@ -1,11 +1,11 @@
-"""Bootstrap intervals: of a mean, of a paired difference (with the relative change of two means), and of a
-median ratio. Each is a percentile bootstrap with a fixed seed, so a rerun on the same values gives the same
-interval.
+"""Bootstrap intervals: of a mean, of a paired difference (with the relative change of two means), of a
+difference of two independent means, and of a median ratio. Each is a percentile bootstrap with a fixed seed,
+so a rerun on the same values gives the same interval.
 
-Interval ends of `bootstrap_ci` and `paired_bootstrap` (`percentile_indices`): of B sorted resample
-statistics, the interval at level L is [s[lo], s[hi]], lo = floor((1 - L) / 2 * B), hi = min(B - 1,
-floor((1 + L) / 2 * B)); when (1 -+ L) / 2 * B are whole numbers (B = 2000, L = 0.95 or 0.9) these are
-numpy.quantile's method "higher". `ratio_interval` resamples with numpy and interpolates linearly
+Interval ends of `bootstrap_ci`, `paired_bootstrap` and `unpaired_bootstrap` (`percentile_indices`): of B
+sorted resample statistics, the interval at level L is [s[lo], s[hi]], lo = floor((1 - L) / 2 * B), hi =
+min(B - 1, floor((1 + L) / 2 * B)); when (1 -+ L) / 2 * B are whole numbers (B = 2000, L = 0.95 or 0.9) these
+are numpy.quantile's method "higher". `ratio_interval` resamples with numpy and interpolates linearly
 (numpy.quantile's default).
 """
 from __future__ import annotations
@@ -68,6 +68,23 @@ def paired_bootstrap(base: list[float], other: list[float], n_boot: int = 2000, 
         rels.sort()
         out["rel_ci"] = (rels[lo], rels[hi])
     return out
+
+
+def unpaired_bootstrap(base: list[float], other: list[float], n_boot: int = 2000, seed: int = 0,
+                       level: float = 0.95) -> tuple[float, float, float]:
+    """(difference, low, high): mean(other) - mean(base) of two independent samples (e.g. a training run's
+    first and last steps), with a percentile bootstrap interval that resamples each sample on its own.
+    Fewer than 2 values on a side: no interval (NaN); an empty side: all NaN."""
+    if not base or not other:
+        return NAN, NAN, NAN
+    diff = statistics.fmean(other) - statistics.fmean(base)
+    if len(base) < 2 or len(other) < 2:
+        return diff, NAN, NAN
+    rng = random.Random(seed)
+    diffs = sorted(statistics.fmean(rng.choices(other, k=len(other))) - statistics.fmean(rng.choices(base, k=len(base)))
+                   for _ in range(n_boot))
+    lo, hi = percentile_indices(n_boot, level)
+    return diff, diffs[lo], diffs[hi]
 
 
 def ratio_interval(base: list[float], path: list[float], level: float = 0.95, resamples: int = 2000,

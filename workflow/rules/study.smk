@@ -10,7 +10,8 @@ STUDY_DIR = "results/study"
 # What the study reports, relative to STUDY_DIR (the nested workflow's targets).
 STUDY_TABLES = ["results/tables/retrieval_recall.csv", "results/tables/sft_summary.csv",
                 "results/tables/multiobjective.csv", "results/tables/wikirag.csv", "results/tables/vs_student.csv",
-                "results/tables/matched_control.csv", "results/tables/alignment_audit.csv"]
+                "results/tables/matched_control.csv", "results/tables/alignment_audit.csv",
+                "results/tables/training_curves.csv"]
 # Built by the nested workflow but not declared an output of rule study: Snakemake deletes a job's outputs before
 # it runs, and the nested job writing this table also writes the benchmarks every later nested job reads (a
 # rerun of rule study would rebuild the whole study). Every declared output is written by a job that nothing reads.

@@ -111,13 +111,17 @@ rule matched_control:
 
 rule training_curves:
     # reward, invalid rate, OPD reverse KL and PPO clip fraction vs step of every (method, seed) run of
-    # train.methods x train.seeds; the figure is also an artifact of the MLflow run `training-curves`
+    # train.methods x train.seeds, and each run's trend (did the reward rise, is it flat at the end); both are
+    # also artifacts of the MLflow run `training-curves`
     input:
         metrics=expand("results/train/{method}/seed{seed}/metrics.jsonl", method=TRAIN["methods"], seed=TRAIN["seeds"]),
         tracking=TRACKING_STORE,
     output:
         figure=report("results/figures/training_curves.png", caption=caption("training_curves"),
                       category=REPORT_TRAINING, subcategory="training curves"),
+        table=report("results/tables/training_curves.csv", caption=caption("training_curves_trend"),
+                     category=REPORT_TRAINING, subcategory="training curves"),
+        md="results/tables/training_curves.md",
     params:
         code=code("report curves"),
         memopd=MEMOPD,
@@ -136,4 +140,5 @@ rule training_curves:
         ENV_CPU
     shell:
         "{params.memopd} report curves --cfg {params.cfg:q} --seed {params.seed} --metrics {input.metrics} "
-        "--figure {output.figure} --reward {params.reward} --tracking {params.tracking:q} > {log} 2>&1"
+        "--figure {output.figure} --table {output.table} --reward {params.reward} --tracking {params.tracking:q} "
+        "> {log} 2>&1"

@@ -60,7 +60,8 @@ def cmd_report_sft(args, cfg):
 def cmd_report_curves(args, cfg):
     """results/figures/training_curves.png from every run's metrics.jsonl; logged to MLflow (a `report`
     run holding the figure) when --tracking is given."""
-    from memopd.report.curves import curves_figure, load_runs, ordered, panel_titles
+    from memopd.report.curves import (curves_figure, load_runs, ordered, panel_titles, trend_caption, trend_notes,
+                                      trend_rows)
     from memopd.tracking import tracked
 
     existing(*args.metrics)
@@ -72,12 +73,16 @@ def cmd_report_curves(args, cfg):
     title = (f"Training curves{' on ' + bench if bench else ''}: {n_seeds}; line = mean over seeds {seeds}, "
              "band = min-max")
     drawn = curves_figure(runs, args.figure, title, args.reward)
+    rows = trend_rows(runs)
+    write_table(rows, args.table, trend_caption(cfg, args.reward, seeds), notes=trend_notes(rows))
     with tracked(args.tracking, "training-curves", {"train": cfg, "metrics": list(args.metrics)}, stage="report",
                  model="all", seed=args.seed, tags={"method": "report", "benchmark": bench or first.get("benchmark", "")}) as run:
-        run.log_artifact(args.figure)
+        for path in (args.figure, args.table, Path(args.table).with_suffix(".md")):
+            run.log_artifact(path)
     for key, per_method in drawn.items():
         print(f"{key:22s} " + "  ".join(f"{m} {c['mean'][0]:.3g} -> {c['mean'][-1]:.3g}" for m, c in per_method.items()))
     print(f"panels: {'; '.join(panel_titles(args.reward))}\n-> {args.figure}")
+    print_table(rows, args.table)
 
 
 def register(cli) -> None:
@@ -100,5 +105,7 @@ def register(cli) -> None:
                  "vs step; mean over seeds with a min-max band) from the runs' metrics.jsonl")
     sp.add_argument("--metrics", nargs="+", required=True, help="results/train/{method}/seed{seed}/metrics.jsonl")
     sp.add_argument("--figure", default="results/figures/training_curves.png")
+    sp.add_argument("--table", default="results/tables/training_curves.csv", help="each run's trend (a Markdown "
+                    "table beside it): did the reward rise, is it flat at the end")
     sp.add_argument("--reward", default="", help="the score the runs were trained on (agent.reward: em, f1)")
     sp.add_argument("--tracking", help="JSON of the `tracking` config section (uri, experiment); omit: no MLflow")

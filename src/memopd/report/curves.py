@@ -3,6 +3,7 @@
 One panel per quantity (task reward, invalid-action rate of the rollouts, OPD reverse KL on the teacher
 tokens, PPO clip fraction) against the training step; per method the mean over seeds as a line and the
 min-max over seeds as a band. `ppo` never scores the teacher, so it has no OPD curve (said in the legend).
+And each run's trend (`trend_rows`): did its reward rise, and is it flat at the end, with intervals.
 """
 from __future__ import annotations
 
@@ -94,3 +95,82 @@ def curves_figure(runs: dict[str, dict[int, list[dict]]], path: str | Path, titl
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return drawn
+
+
+# The trend check of each run compares blocks of len(steps) // TREND_BLOCKS steps: the first (from the SFT
+# policy on), the last, and the one before the last (50 steps each of a 300-step run).
+TREND_BLOCKS = 6
+TREND_KEYS = (("invalid", "rollout/invalid_rate"), ("opd_kl", "opd/loss"))  # block means shown beside the reward
+
+
+def block_mean(values: list) -> float:
+    """Mean of the logged values of a block (None: not logged, e.g. `ppo`'s OPD KL); NaN when none was."""
+    kept = [float(v) for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else float("nan")
+
+
+def trend(values: list[float], blocks: int = TREND_BLOCKS, seed: int = 0) -> dict:
+    """Did a per-step series rise, and is it flat at its end?
+
+    rise = mean(last block) - mean(first block); end = mean(last block) - mean(the block before it); each with
+    a 95% bootstrap interval that resamples each block's steps on its own (memopd.stats.unpaired_bootstrap).
+    Verdict: "rises" when the rise's interval lies above 0 ("falls": below; else "no rise"), then "flat at the
+    end" when the end's interval holds 0 (else "still rising" / "still falling"). Fewer than 3 steps: no verdict."""
+    from memopd.stats import unpaired_bootstrap
+
+    n = len(values)
+    if n < 3:
+        nan = float("nan")
+        return {"block_steps": 0, "first": nan, "last": nan, "rise": nan, "rise_ci_low": nan, "rise_ci_high": nan,
+                "end": nan, "end_ci_low": nan, "end_ci_high": nan, "verdict": f"too few steps ({n})"}
+    b = max(1, n // blocks)
+    first, before, last = values[:b], values[-2 * b:-b], values[-b:]
+    rise, r_lo, r_hi = unpaired_bootstrap(first, last, seed=seed)
+    end, e_lo, e_hi = unpaired_bootstrap(before, last, seed=seed + 1)
+    moved = "rises" if r_lo > 0 else "falls" if r_hi < 0 else "no rise"
+    flat = "flat at the end" if e_lo <= 0 <= e_hi else "still rising" if e_lo > 0 else "still falling"
+    if r_lo != r_lo:  # one step per block: no interval
+        moved, flat = "no interval (1 step per block)", ""
+    return {"block_steps": b, "first": block_mean(first), "last": block_mean(last), "rise": rise,
+            "rise_ci_low": r_lo, "rise_ci_high": r_hi, "end": end, "end_ci_low": e_lo, "end_ci_high": e_hi,
+            "verdict": f"{moved}, {flat}" if flat else moved}
+
+
+def trend_rows(runs: dict[str, dict[int, list[dict]]], key: str = "reward/task") -> list[dict]:
+    """One row per run (method, seed), in the paper's method order: the trend of `key` (trend), and the first
+    and last blocks' means of TREND_KEYS (invalid-action rate, OPD reverse KL) for the diagnosis."""
+    rows = []
+    for m in ordered(runs):
+        for seed, steps in sorted(runs[m].items()):
+            t = trend([s[key] for s in steps])
+            row = {"method": m, "seed": seed, "steps": len(steps), **t}
+            b = t["block_steps"]
+            for name, k in TREND_KEYS:
+                row[f"{name}_first"] = block_mean([s.get(k) for s in steps[:b]]) if b else float("nan")
+                row[f"{name}_last"] = block_mean([s.get(k) for s in steps[-b:]]) if b else float("nan")
+            rows.append(row)
+    return rows
+
+
+def trend_caption(cfg: dict, reward: str, seeds: list[int]) -> str:
+    """The trend table's caption: the runs (models, steps, tasks, seeds; from the `train` config) and the rule."""
+    named = {"student", "teacher", "steps", "batch_tasks"} <= set(cfg)  # the workflow passes its `train` section
+    runs = (f"student {cfg['student']}, teacher {cfg['teacher']}, {cfg['steps']} steps x {cfg['batch_tasks']} tasks "
+            f"of {cfg.get('benchmark', '?')}, seeds {seeds}" if named else f"seeds {seeds}")
+    return (f"Training curves, the trend of each run ({runs}): task reward ({reward.upper() or 'score'} - invalid "
+            f"penalty, per step the mean over its episodes) over the first, the last and the second-last of "
+            f"{TREND_BLOCKS} blocks of steps; rise = last - first, end = last - second-last, 95% bootstrap CI "
+            f"resampling each block's steps; verdict: rises / falls when the rise's CI excludes 0, flat at the "
+            f"end when the end's CI holds 0; invalid-action rate and OPD reverse KL (teacher tokens) of the "
+            f"first and last blocks")
+
+
+def trend_notes(rows: list[dict]) -> list[str]:
+    """Per method: how many runs rise and how many are flat at the end."""
+    out = []
+    for m in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == m]
+        rise = sum(r["verdict"].startswith("rises") for r in mine)
+        flat = sum("flat at the end" in r["verdict"] for r in mine)
+        out.append(f"{m}: {rise} of {len(mine)} runs rise, {flat} of {len(mine)} are flat at the end")
+    return out
