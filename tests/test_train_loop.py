@@ -156,6 +156,39 @@ def test_result_tables_known_values():
     assert bootstrap_ci([2.0]) == (2.0, 2.0)
 
 
+def test_result_tables_quote_the_paper_and_give_a_verdict_per_comparison():
+    """Hand-made directions over three seeds: memopd above ppo on every seed on Q2 (the paper's +14.3% F1), below
+    it on every seed on Q8 (against the paper's +283.2%), memopd_persistent above and below ppo (mixed)."""
+    from memopd.report.results import table_notes
+
+    f1 = {("ppo", "q2_test"): [0.2, 0.3, 0.25], ("memopd", "q2_test"): [0.3, 0.35, 0.3],
+          ("memopd_persistent", "q2_test"): [0.3, 0.2, 0.26],
+          ("ppo", "q8_test"): [0.2, 0.3, 0.25], ("memopd", "q8_test"): [0.1, 0.2, 0.2],
+          ("memopd_persistent", "q8_test"): [0.2, 0.3, 0.25]}
+    scores = {k: {s: {"f1": v, "peak_context_tokens": 100.0 + v} for s, v in enumerate(vals)} for k, vals in f1.items()}
+    rows = table_rows(scores, ["ppo", "memopd", "memopd_persistent"], {"q2_test": "Q2", "q8_test": "Q8"},
+                      ["f1", "peak_context_tokens"])
+    got = {(r["method"], r["horizon"], r["metric"]): r for r in rows}
+    assert got[("memopd", "Q2", "f1")]["paper_rel_to_ppo_pct"] == 14.3
+    assert got[("memopd", "Q8", "f1")]["paper_rel_to_ppo_pct"] == 283.2
+    assert got[("memopd_persistent", "Q2", "f1")]["paper_rel_to_ppo_pct"] != got[("memopd_persistent", "Q2", "f1")]["paper_rel_to_ppo_pct"]  # NaN
+    assert got[("memopd", "Q2", "f1")]["noise"].startswith("outside") and got[("ppo", "Q2", "f1")]["noise"] == ""
+    assert got[("memopd_persistent", "Q2", "f1")]["noise"].startswith("inside")
+    notes = {n.split(")")[0] + ")": n for n in table_notes(rows)}
+    assert set(notes) == {f"Finding ({m} vs ppo, {h}, f1)" for m in ("memopd", "memopd_persistent") for h in ("Q2", "Q8")}
+    assert "paper +14.3%; outside the noise, the same direction as the paper" in notes["Finding (memopd vs ppo, Q2, f1)"]
+    assert "paper +283.2%; outside the noise, the opposite direction as the paper" in notes["Finding (memopd vs ppo, Q8, f1)"]
+    assert "no paper figure; inside the noise" in notes["Finding (memopd_persistent vs ppo, Q2, f1)"]
+    assert notes["Finding (memopd vs ppo, Q2, f1)"].startswith("Finding (memopd vs ppo, Q2, f1): +26.7% ")  # 0.317 / 0.25
+    assert ": -33.3% " in notes["Finding (memopd vs ppo, Q8, f1)"]
+    q16 = {("ppo", "q16_test"): [100.0, 110.0], ("memopd", "q16_test"): [80.0, 90.0]}
+    scores = {k: {s: {"f1": 0.1, "peak_context_tokens": v} for s, v in enumerate(vals)} for k, vals in q16.items()}
+    notes = table_notes(table_rows(scores, ["ppo", "memopd"], {"q16_test": "Q16"}, ["f1", "peak_context_tokens"]))
+    peak = next(n for n in notes if "peak_context_tokens" in n)  # not EM/F1, but the paper reports it: -33.0%
+    assert peak.startswith("Finding (memopd vs ppo, Q16, peak_context_tokens): -19.0% ") and "paper -33.0%" in peak
+    assert "outside the noise, the same direction as the paper" in peak
+
+
 def test_a_rank_share_of_a_batch_samples_the_single_process_episodes(setup):
     """rollout(tasks[r::W], indices=...) seeds every call by the task's batch position: rank r's share
     is exactly those episodes of the single-process rollout (batch_size 1: no padding effects)."""

@@ -13,24 +13,28 @@ MATCHED_KEYS = ("seeds", "student", "teacher", "benchmark", "steps", "batch_task
 def cmd_report_results(args, cfg):
     """Tables 1-2 (multiobjective, wikirag), vs_student and the F1-vs-horizon figure; every evaluation is read
     before anything is written. The matched control is its own command (report matched-control)."""
-    from memopd.report.results import METRICS, budget_note, horizon_figure, load_scores, table_rows, vs_student_rows
+    from memopd.report.results import (METRICS, budget_note, horizon_figure, load_scores, table_notes, table_rows,
+                                       vs_student_rows)
 
     require(cfg, *RESULTS_KEYS)
     methods, seeds = cfg["methods"], cfg["seeds"]
     horizons = cfg["horizons"]  # {benchmark: label}
     caption = (f"{{}}: mean +- std over seeds {seeds}, 95% bootstrap CI over seeds, change vs PPO in %, paired "
-               f"per-seed difference vs PPO; student {cfg['student']}, teacher {cfg['teacher']}, "
-               f"{cfg['steps']} steps x {cfg['batch_tasks']} tasks; EM/F1 = per-task mean over questions")
+               f"per-seed difference vs PPO with its 95% bootstrap CI and whether it contains 0, the paper's "
+               f"change of MemOPD vs PPO in % where it reports one; student {cfg['student']}, teacher "
+               f"{cfg['teacher']}, {cfg['steps']} steps x {cfg['batch_tasks']} tasks; EM/F1 = per-task mean over "
+               f"questions")
     q = {b: h for b, h in horizons.items() if h != "wikirag"}
     wiki = {b: h for b, h in horizons.items() if h == "wikirag"}
     scores = load_scores(args.eval_dir, methods, seeds, list(horizons))
     multi = table_rows(scores, methods, q, METRICS["multiobjective"])
     rows = vs_student_rows(args.eval_dir, cfg["student"], methods, seeds, horizons)
     write_table(multi, Path(args.out_dir) / "multiobjective.csv",
-                f"{caption.format('Multi-objective (Q2 train)')}; {budget_note(scores, q)}")
+                f"{caption.format('Multi-objective (Q2 train)')}; {budget_note(scores, q)}", notes=table_notes(multi))
     if wiki:
-        write_table(table_rows(scores, methods, wiki, METRICS["wikirag"]), Path(args.out_dir) / "wikirag.csv",
-                    f"{caption.format('Wiki-RAG')}; {budget_note(scores, wiki)}")
+        wrows = table_rows(scores, methods, wiki, METRICS["wikirag"])
+        write_table(wrows, Path(args.out_dir) / "wikirag.csv", f"{caption.format('Wiki-RAG')}; "
+                    f"{budget_note(scores, wiki)}", notes=table_notes(wrows))
     horizon_figure(multi, args.figure)
     write_table(rows, Path(args.out_dir) / "vs_student.csv",
                 f"Each method against the SFT student it started from ({cfg['student']}), per task: method (mean "

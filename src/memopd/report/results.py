@@ -1,8 +1,9 @@
 """Tables 1-2 and the matched control: evaluation scores aggregated over seeds.
 
 Per (method, horizon, metric): mean and sample std over seeds, a 95% bootstrap interval of the mean
-(resampling seeds), the change of the mean relative to PPO in %, and a paired comparison with PPO
-(per seed: method - ppo; mean difference and its bootstrap interval). With 5 seeds the intervals are
+(resampling seeds), the change of the mean relative to PPO in %, a paired comparison with PPO (per seed:
+method - ppo; mean difference and its bootstrap interval, inside or outside the noise) and the paper's
+change where it reports one (PAPER_MEMOPD_VS_PPO), with a `Finding:` line per comparison (table_notes). With 5 seeds the intervals are
 wide: a difference inside the seed spread is no difference, and the tables say so by their intervals.
 
 The matched control (`matched_control_table`) is its own experiment: `ppo`, `memopd_persistent` and
@@ -17,7 +18,7 @@ import math
 import statistics
 from pathlib import Path
 
-from memopd.stats import bootstrap_ci, paired_bootstrap, relative_change_pct
+from memopd.stats import NAN, bootstrap_ci, paired_bootstrap, relative_change_pct
 
 METRICS = {
     "multiobjective": ["em", "f1", "peak_context_tokens", "inference_time_s"],
@@ -32,8 +33,15 @@ INCREMENTS = [
     ("memopd", "memopd_persistent", "alignment on top", {"f1": 7.0, "em": 10.0}),
 ]
 MATCHED_DEFAULT_BENCHMARK = "q2_test"
+# Tables 1-2 of the paper: MemOPD's change of the mean over PPO in % (five seeds), by (horizon label, metric).
+PAPER_MEMOPD_VS_PPO = {
+    ("Q2", "f1"): 14.3, ("Q8", "f1"): 283.2, ("Q16", "f1"): 416.2,
+    ("Q16", "peak_context_tokens"): -33.0, ("Q16", "inference_time_s"): -14.1,
+    ("wikirag", "em"): 6.1, ("wikirag", "f1"): 7.4, ("wikirag", "dependency"): -31.6,
+    ("wikirag", "inference_time_s"): -28.5,
+}
 COLUMNS = ["method", "horizon", "metric", "mean", "std", "ci_low", "ci_high", "rel_to_ppo_pct", "seeds",
-           "paired_diff_vs_ppo", "paired_ci_low", "paired_ci_high"]
+           "paired_diff_vs_ppo", "paired_ci_low", "paired_ci_high", "paper_rel_to_ppo_pct", "noise"]
 
 
 def load_scores(eval_dir: str | Path, methods: list[str], seeds: list[int], benchmarks: list[str]) -> dict:
@@ -79,15 +87,35 @@ def table_rows(scores: dict, methods: list[str], horizons: dict[str, str], metri
                 lo, hi = bootstrap_ci(vals)
                 diffs = [per_seed[s][metric] - ppo[s][metric] for s in sorted(per_seed) if s in ppo]
                 dlo, dhi = bootstrap_ci(diffs) if diffs else (float("nan"), float("nan"))
+                paper = PAPER_MEMOPD_VS_PPO.get((horizon, metric), NAN) if m == "memopd" else NAN
                 rows.append({
                     "method": m, "horizon": horizon, "metric": metric, "mean": mean,
                     "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "ci_low": lo, "ci_high": hi,
-                    "rel_to_ppo_pct": relative_change_pct(ppo_mean, mean) if ppo else float("nan"),
+                    "rel_to_ppo_pct": relative_change_pct(ppo_mean, mean) if ppo else NAN,
                     "seeds": len(vals),
-                    "paired_diff_vs_ppo": statistics.fmean(diffs) if diffs else float("nan"),
-                    "paired_ci_low": dlo, "paired_ci_high": dhi,
+                    "paired_diff_vs_ppo": statistics.fmean(diffs) if diffs else NAN,
+                    "paired_ci_low": dlo, "paired_ci_high": dhi, "paper_rel_to_ppo_pct": paper,
+                    "noise": "" if m == "ppo" or not diffs else _noise((dlo, dhi), len(diffs)),
                 })
     return rows
+
+
+def table_notes(rows: list[dict], metrics: tuple[str, ...] = ("em", "f1")) -> list[str]:
+    """One `Finding:` line per method other than PPO, horizon and metric of `metrics` (and every metric the
+    paper reports a change for): ours vs PPO with the paired interval over seeds, the paper's, the verdict."""
+    notes = []
+    for r in rows:
+        paper = r["paper_rel_to_ppo_pct"]
+        if r["method"] == "ppo" or not r["noise"] or (r["metric"] not in metrics and math.isnan(paper)):
+            continue
+        ci = ("no interval" if math.isnan(r["paired_ci_low"]) else
+              f"paired 95% CI of the per-seed difference {r['paired_ci_low']:+.4f} to {r['paired_ci_high']:+.4f}")
+        ours = "undefined (PPO mean 0)" if math.isnan(r["rel_to_ppo_pct"]) else f"{r['rel_to_ppo_pct']:+.1f}%"
+        theirs = "no paper figure" if math.isnan(paper) else f"paper {paper:+.1f}%"
+        notes.append(f"Finding ({r['method']} vs ppo, {r['horizon']}, {r['metric']}): {ours} (per-seed difference "
+                     f"{r['paired_diff_vs_ppo']:+.4f}; {ci}; {r['seeds']} seeds); {theirs}; "
+                     f"{verdict(r['noise'], r['paired_diff_vs_ppo'], paper)}.")
+    return notes
 
 
 def horizon_figure(rows: list[dict], path: str | Path, metric: str = "f1") -> None:
@@ -124,6 +152,17 @@ def _noise(diff_ci: tuple[float, float], seeds: int) -> str:
     if seeds < 2 or math.isnan(diff_ci[0]):
         return "no interval (1 seed)"
     return noise_label(*diff_ci)
+
+
+def verdict(noise: str, diff: float, paper: float) -> str:
+    """The verdict of a comparison from its noise label, its mean difference and the paper's change (NaN: none)."""
+    if noise.startswith("inside"):
+        return "inside the noise: the interval contains 0, so these seeds do not tell it from no difference"
+    if noise.startswith("outside"):
+        if math.isnan(paper):
+            return "outside the noise"
+        return f"outside the noise, {'the same' if (diff > 0) == (paper > 0) else 'the opposite'} direction as the paper"
+    return "one seed: no interval, so no claim either way"
 
 
 def paired_over_tasks(base: dict[str, float], other: dict[str, float]) -> dict:
@@ -226,16 +265,10 @@ def matched_control_notes(rows: list[dict]) -> list[str]:
                   f"paired 95% CI of the change {_signed(r['change_ci_low'])} to {_signed(r['change_ci_high'])}"
                   if not math.isnan(r["change_ci_low"]) else
                   f"paired 95% CI of the per-seed difference {r['paired_ci_low']:+.4f} to {r['paired_ci_high']:+.4f}")
-            if r["noise"].startswith("inside"):
-                verdict = "inside the noise: the interval contains 0, so these seeds do not tell it from no difference"
-            elif r["noise"].startswith("outside"):
-                sign = (r["paired_diff"] > 0) == (r["paper_change_pct"] > 0)
-                verdict = f"outside the noise, {'the same' if sign else 'the opposite'} direction as the paper"
-            else:
-                verdict = "one seed: no interval, so no claim either way"
             notes.append(f"Finding ({label}, {other} vs {base}, {m}): {_signed(r['change_pct'])} "
                          f"(per-seed difference {r['paired_diff']:+.4f}; {ci}; {r['seeds']} seeds); "
-                         f"paper {r['paper_change_pct']:+.1f}%; {verdict}.")
+                         f"paper {r['paper_change_pct']:+.1f}%; "
+                         f"{verdict(r['noise'], r['paired_diff'], r['paper_change_pct'])}.")
     return notes
 
 
