@@ -187,6 +187,9 @@ def test_result_tables_quote_the_paper_and_give_a_verdict_per_comparison():
     peak = next(n for n in notes if "peak_context_tokens" in n)  # not EM/F1, but the paper reports it: -33.0%
     assert peak.startswith("Finding (memopd vs ppo, Q16, peak_context_tokens): -19.0% ") and "paper -33.0%" in peak
     assert "outside the noise, the same direction as the paper" in peak
+    one = {("ppo", "q2_test"): {0: {"f1": 0.2}}, ("memopd", "q2_test"): {0: {"f1": 0.3}}}
+    [note] = table_notes(table_rows(one, ["ppo", "memopd"], {"q2_test": "Q2"}, ["f1"]))
+    assert "(per-seed difference +0.1000; no interval; 1 seed); paper +14.3%; one seed: no interval" in note
 
 
 def test_a_rank_share_of_a_batch_samples_the_single_process_episodes(setup):

@@ -108,12 +108,12 @@ def table_notes(rows: list[dict], metrics: tuple[str, ...] = ("em", "f1")) -> li
         paper = r["paper_rel_to_ppo_pct"]
         if r["method"] == "ppo" or not r["noise"] or (r["metric"] not in metrics and math.isnan(paper)):
             continue
-        ci = ("no interval" if math.isnan(r["paired_ci_low"]) else
+        ci = ("no interval" if r["seeds"] < 2 or math.isnan(r["paired_ci_low"]) else
               f"paired 95% CI of the per-seed difference {r['paired_ci_low']:+.4f} to {r['paired_ci_high']:+.4f}")
         ours = "undefined (PPO mean 0)" if math.isnan(r["rel_to_ppo_pct"]) else f"{r['rel_to_ppo_pct']:+.1f}%"
         theirs = "no paper figure" if math.isnan(paper) else f"paper {paper:+.1f}%"
         notes.append(f"Finding ({r['method']} vs ppo, {r['horizon']}, {r['metric']}): {ours} (per-seed difference "
-                     f"{r['paired_diff_vs_ppo']:+.4f}; {ci}; {r['seeds']} seeds); {theirs}; "
+                     f"{r['paired_diff_vs_ppo']:+.4f}; {ci}; {r['seeds']} seed{'s' if r['seeds'] > 1 else ''}); {theirs}; "
                      f"{verdict(r['noise'], r['paired_diff_vs_ppo'], paper)}.")
     return notes
 
