@@ -3,8 +3,9 @@
 Per (method, horizon, metric): mean and sample std over seeds, a 95% bootstrap interval of the mean
 (resampling seeds), the change of the mean relative to PPO in %, a paired comparison with PPO (per seed:
 method - ppo; mean difference and its bootstrap interval, inside or outside the noise) and the paper's
-change where it reports one (PAPER_MEMOPD_VS_PPO), with a `Finding:` line per comparison (table_notes). With 5 seeds the intervals are
-wide: a difference inside the seed spread is no difference, and the tables say so by their intervals.
+change where it reports one (PAPER_MEMOPD_VS_PPO), with a `Finding:` line per comparison (table_notes).
+With 5 seeds the intervals are wide: a difference inside the seed spread is no difference, and the tables
+say so by their intervals.
 
 The matched control (`matched_control_table`) is its own experiment: `ppo`, `memopd_persistent` and
 `memopd` on the seeds of `train.matched_control` (runs `{method}_seed{seed}`), evaluated on one
@@ -113,7 +114,8 @@ def table_notes(rows: list[dict], metrics: tuple[str, ...] = ("em", "f1")) -> li
         ours = "undefined (PPO mean 0)" if math.isnan(r["rel_to_ppo_pct"]) else f"{r['rel_to_ppo_pct']:+.1f}%"
         theirs = "no paper figure" if math.isnan(paper) else f"paper {paper:+.1f}%"
         notes.append(f"Finding ({r['method']} vs ppo, {r['horizon']}, {r['metric']}): {ours} (per-seed difference "
-                     f"{r['paired_diff_vs_ppo']:+.4f}; {ci}; {r['seeds']} seed{'s' if r['seeds'] > 1 else ''}); {theirs}; "
+                     f"{r['paired_diff_vs_ppo']:+.4f}; {ci}; {r['seeds']} seed{'s' if r['seeds'] > 1 else ''}); "
+                     f"{theirs}; "
                      f"{verdict(r['noise'], r['paired_diff_vs_ppo'], paper)}.")
     return notes
 
@@ -161,7 +163,8 @@ def verdict(noise: str, diff: float, paper: float) -> str:
     if noise.startswith("outside"):
         if math.isnan(paper):
             return "outside the noise"
-        return f"outside the noise, {'the same' if (diff > 0) == (paper > 0) else 'the opposite'} direction as the paper"
+        same = (diff > 0) == (paper > 0)
+        return f"outside the noise, {'the same' if same else 'the opposite'} direction as the paper"
     return "one seed: no interval, so no claim either way"
 
 
