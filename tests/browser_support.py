@@ -181,6 +181,17 @@ class Browser:
         return self.click(f"""[...document.querySelectorAll({json.dumps(selector)})].filter(e => e.offsetParent !== null
             && e.innerText && e.innerText.trim() === {json.dumps(text)})""", real)
 
+    def click_text_until(self, text: str, js: str, tries: int = 4, wait: float = 5) -> object:
+        """Click `text` until `js` is truthy (its value): a click that lands while a closing menu's overlay
+        still covers the page is lost, so it is repeated (up to `tries` times, `wait` s each)."""
+        for attempt in range(tries):
+            assert self.click_text(text), f"no visible element reads {text!r}"
+            try:
+                return self.wait_for(js, timeout=wait)
+            except TimeoutError:
+                if attempt == tries - 1:
+                    raise
+
     def click(self, js_elements: str, real: bool = True) -> bool:
         """Click the innermost element of a JavaScript expression that gives a list of elements: with real
         mouse events at its centre (menus that open on pointer-down need them), or el.click() (`real`

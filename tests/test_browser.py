@@ -175,8 +175,7 @@ def test_mlflow_ui_opens_on_the_training_runs_grouped_by_method(tmp_path):
             assert "eval-memopd_seed0-q2_test" not in b.eval("document.body.innerText")
 
             # Group by -> tag method
-            assert b.click_text("Group by")
-            b.wait_for("!!document.querySelector('[role=menuitemcheckbox]')", timeout=20)
+            b.click_text_until("Group by", "!!document.querySelector('[role=menuitemcheckbox]')")
             assert b.click_text("method", "[role=menuitemcheckbox]")
             b.key("Escape", 27)
             groups = b.wait_for("""(() => { const t = document.body.innerText;
@@ -185,8 +184,7 @@ def test_mlflow_ui_opens_on_the_training_runs_grouped_by_method(tmp_path):
                 assert name in groups  # every run, evaluations included, in its method's group
 
             # Columns -> eval/peak_context_tokens: each evaluation run's value, as in the store
-            assert b.click_text("Columns")
-            b.wait_for("!!document.querySelector('input[placeholder=\"Search columns\"]')", timeout=20)
+            b.click_text_until("Columns", "!!document.querySelector('input[placeholder=\"Search columns\"]')")
             b.eval("document.querySelector('input[placeholder=\"Search columns\"]').focus()")
             b.type_text("peak_context")
             b.wait_for("[...document.querySelectorAll('span, label')].some(e => e.innerText === 'eval/peak_context_tokens')",
