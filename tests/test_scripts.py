@@ -216,3 +216,19 @@ def test_induction_probe_counts_the_repeat_only():
 
     distinct = [[10, 11, 12, 13], [20, 21, 22]]
     assert ip.repeat_accuracy(off_by_one, distinct) == (0, 5)
+
+
+def test_flattened_eval_changes_only_the_memory_rule_and_resolves_per_benchmark_settings():
+    import json
+
+    import yaml
+
+    fe = _load("flattened_eval")
+    cfg = yaml.safe_load((ROOT / "config/study.yaml").read_text())
+    got = json.loads(fe.eval_cfg(cfg, "q8_test", "full_retention"))
+    assert got["agent"] == {**cfg["agent"], "rule": "full_retention"} and cfg["agent"]["rule"] == "summary_replacement"
+    assert got["rollout"] == cfg["rollout"]
+    # eval's per-benchmark settings resolved for q8_test, by hand from the config's maps
+    assert got["eval"]["max_new_tokens"] == cfg["eval"]["max_new_tokens"]["q8_test"] == 160
+    assert got["eval"]["max_tasks"] == cfg["eval"]["max_tasks"]["default"]
+    assert got["eval"]["temperature"] == 0.0 and "models" not in got["eval"] and "benchmarks" not in got["eval"]

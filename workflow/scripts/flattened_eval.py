@@ -1,0 +1,56 @@
+"""Diagnosis of the matched control (docs/study.md "Status"): how well does a model act when its input is
+the persistent-history flattening, the state `memopd_persistent`'s teacher is scored on? It evaluates the model
+with the config's `eval` settings and one change, `agent.rule: full_retention` (every earlier call's output
+and observation kept in the input, nothing rewritten), by the same `memopd eval` command as rule eval.
+Compare with results/eval/MODEL/BENCHMARK.json, the same model on its own memory rule.
+
+    python workflow/scripts/flattened_eval.py --configfile config/study.yaml --results results/study/results \
+        --model teacher_sft --benchmark q2_test --out-dir /tmp/flattened
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from memopd.agent.evaluate import per_benchmark
+
+
+def eval_cfg(cfg: dict, benchmark: str, rule: str) -> str:
+    """What rule eval passes (workflow/rules/common.smk eval_cfg), with the agent's memory rule replaced."""
+    ev = {k: per_benchmark(v, benchmark) for k, v in cfg["eval"].items() if k not in ("models", "benchmarks")}
+    return json.dumps({"agent": {**cfg["agent"], "rule": rule}, "rollout": cfg["rollout"], "eval": ev}, sort_keys=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configfile", required=True, help="the config the models were built with")
+    ap.add_argument("--results", required=True, help="that workflow's results/ directory")
+    ap.add_argument("--model", required=True, help="a model under RESULTS/models/")
+    ap.add_argument("--benchmark", default="q2_test")
+    ap.add_argument("--rule", default="full_retention", help="the memory rule to evaluate under")
+    ap.add_argument("--out-dir", required=True)
+    a = ap.parse_args()
+    cfg = yaml.safe_load(Path(a.configfile).read_text())
+    res = Path(a.results)
+    cmd = [sys.executable, "-m", "memopd.cli", "eval", "--cfg", eval_cfg(cfg, a.benchmark, a.rule),
+           "--seed", str(cfg["seed"]), "--model", str(res / "models" / a.model),
+           "--benchmark", str(res / "benchmarks" / f"{a.benchmark}.parquet"), "--index", str(res / "retrieval" / "index"),
+           "--out-dir", str(Path(a.out_dir) / a.model)]
+    subprocess.run(cmd, check=True)
+    own = res / "eval" / a.model / f"{a.benchmark}.json"
+    new = json.loads((Path(a.out_dir) / a.model / f"{a.benchmark}.json").read_text())
+    keys = ("f1", "em", "calls_per_episode", "answered_rate", "invalid_action_rate")
+    print(f"{a.model} on {a.benchmark} under {a.rule}: " + ", ".join(f"{k} {new[k]:.3f}" for k in keys))
+    if own.exists():
+        base = json.loads(own.read_text())
+        print(f"{a.model} on {a.benchmark} under its own rule ({cfg['agent']['rule']}): "
+              + ", ".join(f"{k} {base[k]:.3f}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
