@@ -232,3 +232,16 @@ def test_flattened_eval_changes_only_the_memory_rule_and_resolves_per_benchmark_
     assert got["eval"]["max_new_tokens"] == cfg["eval"]["max_new_tokens"]["q8_test"] == 160
     assert got["eval"]["max_tasks"] == cfg["eval"]["max_tasks"]["default"]
     assert got["eval"]["temperature"] == 0.0 and "models" not in got["eval"] and "benchmarks" not in got["eval"]
+
+
+def test_flattened_eval_counts_each_episode_once_by_its_searches(tmp_path):
+    import json
+
+    import pandas as pd
+
+    fe = _load("flattened_eval")
+    # one row per call; every call of an episode carries the episode's metrics
+    rows = [(0, 1), (0, 1), (1, 2), (1, 2), (1, 2), (2, 2), (2, 2), (2, 2), (3, 0)]
+    pd.DataFrame({"episode": [e for e, _ in rows], "metrics": [json.dumps({"searches": s}) for _, s in rows]}
+                 ).to_parquet(tmp_path / "q2_test.episodes.parquet")
+    assert fe.searches_per_episode(tmp_path / "q2_test.episodes.parquet") == {0: 1, 1: 1, 2: 2}

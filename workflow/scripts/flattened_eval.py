@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+from collections import Counter
 import sys
 from pathlib import Path
 
+import pandas as pd
 import yaml
 
 from memopd.agent.evaluate import per_benchmark
@@ -24,6 +26,19 @@ def eval_cfg(cfg: dict, benchmark: str, rule: str) -> str:
     """What rule eval passes (workflow/rules/common.smk eval_cfg), with the agent's memory rule replaced."""
     ev = {k: per_benchmark(v, benchmark) for k, v in cfg["eval"].items() if k not in ("models", "benchmarks")}
     return json.dumps({"agent": {**cfg["agent"], "rule": rule}, "rollout": cfg["rollout"], "eval": ev}, sort_keys=True)
+
+
+def searches_per_episode(episodes: Path) -> dict[int, int]:
+    """{searches: episodes} of an evaluation's episodes (its .episodes.parquet: one row per call)."""
+    calls = pd.read_parquet(episodes, columns=["episode", "metrics"])
+    first = calls.groupby("episode")["metrics"].first()
+    counts = Counter(int((json.loads(m) if isinstance(m, str) else m)["searches"]) for m in first)
+    return dict(sorted(counts.items()))
+
+
+def summary(res: dict, episodes: Path) -> str:
+    keys = ("f1", "em", "calls_per_episode", "answered_rate", "invalid_action_rate")
+    return ", ".join(f"{k} {res[k]:.3f}" for k in keys) + f"; episodes by searches {searches_per_episode(episodes)}"
 
 
 def main() -> None:
@@ -42,14 +57,13 @@ def main() -> None:
            "--benchmark", str(res / "benchmarks" / f"{a.benchmark}.parquet"), "--index", str(res / "retrieval" / "index"),
            "--out-dir", str(Path(a.out_dir) / a.model)]
     subprocess.run(cmd, check=True)
-    own = res / "eval" / a.model / f"{a.benchmark}.json"
-    new = json.loads((Path(a.out_dir) / a.model / f"{a.benchmark}.json").read_text())
-    keys = ("f1", "em", "calls_per_episode", "answered_rate", "invalid_action_rate")
-    print(f"{a.model} on {a.benchmark} under {a.rule}: " + ", ".join(f"{k} {new[k]:.3f}" for k in keys))
-    if own.exists():
-        base = json.loads(own.read_text())
+    out = Path(a.out_dir) / a.model / a.benchmark
+    print(f"{a.model} on {a.benchmark} under {a.rule}: "
+          + summary(json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".episodes.parquet")))
+    own = res / "eval" / a.model / a.benchmark
+    if own.with_suffix(".json").exists():
         print(f"{a.model} on {a.benchmark} under its own rule ({cfg['agent']['rule']}): "
-              + ", ".join(f"{k} {base[k]:.3f}" for k in keys))
+              + summary(json.loads(own.with_suffix(".json").read_text()), own.with_suffix(".episodes.parquet")))
 
 
 if __name__ == "__main__":
