@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-from collections import Counter
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pandas as pd
