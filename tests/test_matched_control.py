@@ -110,7 +110,8 @@ def test_one_seed_gives_no_interval_and_says_so(tmp_path):
     rows = {(r["row"], r["metric"]): r for r in matched_control_table(cfg, tmp_path / "eval", tmp_path / "t.csv")}
     r = rows[("memopd vs memopd_persistent", "f1")]
     assert r["noise"] == "no interval (1 seed)" and r["paired_diff"] == pytest.approx(0.32 - 0.22)  # the first values
-    assert "no claim" in (tmp_path / "t.md").read_text()
+    md = (tmp_path / "t.md").read_text()
+    assert "no claim" in md and "; 1 seed); " in md and "1 seeds" not in md
 
 
 def test_a_missing_run_names_its_evaluation(tmp_path):

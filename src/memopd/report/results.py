@@ -114,7 +114,7 @@ def table_notes(rows: list[dict], metrics: tuple[str, ...] = ("em", "f1")) -> li
         ours = "undefined (PPO mean 0)" if math.isnan(r["rel_to_ppo_pct"]) else f"{r['rel_to_ppo_pct']:+.1f}%"
         theirs = "no paper figure" if math.isnan(paper) else f"paper {paper:+.1f}%"
         notes.append(f"Finding ({r['method']} vs ppo, {r['horizon']}, {r['metric']}): {ours} (per-seed difference "
-                     f"{r['paired_diff_vs_ppo']:+.4f}; {ci}; {r['seeds']} seed{'s' if r['seeds'] > 1 else ''}); "
+                     f"{r['paired_diff_vs_ppo']:+.4f}; {ci}; {_seeds(r['seeds'])}); "
                      f"{theirs}; "
                      f"{verdict(r['noise'], r['paired_diff_vs_ppo'], paper)}.")
     return notes
@@ -148,6 +148,10 @@ def horizon_figure(rows: list[dict], path: str | Path, metric: str = "f1") -> No
 
 def noise_label(lo: float, hi: float) -> str:
     return "inside the noise (CI contains 0)" if lo <= 0 <= hi else "outside the noise (CI excludes 0)"
+
+
+def _seeds(n: int) -> str:
+    return f"{n} seed{'s' if n != 1 else ''}"
 
 
 def _noise(diff_ci: tuple[float, float], seeds: int) -> str:
@@ -269,7 +273,7 @@ def matched_control_notes(rows: list[dict]) -> list[str]:
                   if not math.isnan(r["change_ci_low"]) else
                   f"paired 95% CI of the per-seed difference {r['paired_ci_low']:+.4f} to {r['paired_ci_high']:+.4f}")
             notes.append(f"Finding ({label}, {other} vs {base}, {m}): {_signed(r['change_pct'])} "
-                         f"(per-seed difference {r['paired_diff']:+.4f}; {ci}; {r['seeds']} seeds); "
+                         f"(per-seed difference {r['paired_diff']:+.4f}; {ci}; {_seeds(r['seeds'])}); "
                          f"paper {r['paper_change_pct']:+.1f}%; "
                          f"{verdict(r['noise'], r['paired_diff'], r['paper_change_pct'])}.")
     return notes
