@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -122,6 +123,7 @@ def test_result_tables_state_the_evaluation_budget(tmp_path):
             s = int(model[-1]) if model[-1].isdigit() else 0
             (d / f"{b}.json").write_text(json.dumps({"em": 0.1 * s, "f1": 0.2, "peak_context_tokens": 100,
                                                      "inference_time_s": 1.0, "dependency": 5.0,
+                                                     "invalid_action_rate": 0.05 * s, "calls_per_episode": 3.0 + s,
                                                      "max_new_tokens": 1024}))
             (d / f"{b}.csv").write_text("task_id,em,f1\n" + "".join(f"t{i},{0.1 * s},{0.2}\n" for i in range(5)))
     main(["report", "results", "--cfg", json.dumps(train), "--eval-dir", str(tmp_path / "eval"), "--out-dir",
@@ -129,6 +131,9 @@ def test_result_tables_state_the_evaluation_budget(tmp_path):
     for table in ("multiobjective", "wikirag", "vs_student"):
         caption = (tmp_path / "tables" / f"{table}.md").read_text().splitlines()[0]
         assert "response budget 1024 new tokens per call" in caption, caption
+    multi = pd.read_csv(tmp_path / "tables" / "multiobjective.csv").set_index(["method", "metric"])
+    assert multi.loc[("memopd", "invalid_action_rate"), "mean"] == pytest.approx((0.0 + 0.05) / 2)  # seeds 0, 1
+    assert multi.loc[("ppo", "calls_per_episode"), "mean"] == pytest.approx((3.0 + 4.0) / 2)
     mixed = {("ppo", "q2_test"): {0: {"max_new_tokens": 64}}, ("ppo", "q8_test"): {0: {"max_new_tokens": 320}},
              ("memopd", "q8_test"): {0: {}}}
     assert budget_note(mixed, {"q2_test": "Q2", "q8_test": "Q8"}) == \

@@ -22,8 +22,10 @@ from pathlib import Path
 from memopd.stats import NAN, bootstrap_ci, paired_bootstrap, relative_change_pct
 
 METRICS = {
-    "multiobjective": ["em", "f1", "peak_context_tokens", "inference_time_s"],
-    "wikirag": ["em", "f1", "dependency", "inference_time_s", "peak_context_tokens"],
+    "multiobjective": ["em", "f1", "invalid_action_rate", "calls_per_episode", "peak_context_tokens",
+                       "inference_time_s"],
+    "wikirag": ["em", "f1", "invalid_action_rate", "calls_per_episode", "dependency", "inference_time_s",
+                "peak_context_tokens"],
     "matched_control": ["em", "f1"],
 }
 # The matched control: these three methods, everything else identical (the runs differ only by method).
