@@ -13,12 +13,12 @@ MATCHED_KEYS = ("seeds", "student", "teacher", "benchmark", "steps", "batch_task
 def cmd_report_results(args, cfg):
     """Tables 1-2 (multiobjective, wikirag), vs_student and the F1-vs-horizon figure; every evaluation is read
     before anything is written. The matched control is its own command (report matched-control)."""
-    from memopd.report.results import (METRICS, budget_note, horizon_figure, load_scores, table_notes, table_rows,
-                                       vs_student_rows)
+    from memopd.report.results import (METRICS, budget_note, horizon_figure, horizon_order, load_scores, table_notes,
+                                       table_rows, vs_student_rows)
 
     require(cfg, *RESULTS_KEYS)
     methods, seeds = cfg["methods"], cfg["seeds"]
-    horizons = cfg["horizons"]  # {benchmark: label}
+    horizons = horizon_order(cfg["horizons"])  # {benchmark: label}, Q2 before Q16
     caption = (f"{{}}: mean +- std over seeds {seeds}, 95% bootstrap CI over seeds, change vs PPO in %, paired "
                f"per-seed difference vs PPO with its 95% bootstrap CI and whether it contains 0, the paper's "
                f"change of MemOPD vs PPO in % where it reports one; student {cfg['student']}, teacher "

@@ -61,6 +61,16 @@ def load_scores(eval_dir: str | Path, methods: list[str], seeds: list[int], benc
     return out
 
 
+def horizon_order(horizons: dict[str, str]) -> dict[str, str]:
+    """{benchmark: label} ordered by questions per task (Q2, Q8, Q16): the run's config reaches the command as
+    JSON with sorted keys, which would put Q16 before Q2 in the tables and on the figure's axis."""
+    def questions(label: str) -> float:
+        digits = "".join(c for c in label if c.isdigit())
+        return int(digits) if digits else float("inf")
+
+    return dict(sorted(horizons.items(), key=lambda kv: questions(kv[1])))
+
+
 def budget_note(scores: dict, horizons: dict[str, str]) -> str:
     """The response budget the evaluations of `horizons` ({benchmark: label}) used (max new tokens per
     call, from each eval JSON), for a caption: one number when all agree, else per horizon (a mixed
