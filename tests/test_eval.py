@@ -110,7 +110,7 @@ def test_evaluation_uses_the_training_rollout_budget_unless_the_config_says_othe
     assert _budgets(embedded)["q16_test"] == 512
 
 
-def test_result_tables_state_the_evaluation_budget(tmp_path):
+def test_result_tables_state_the_evaluation_budget(tmp_path, monkeypatch):
     """Tables 1-2 captions name the response budget the evaluations recorded (one number, or per horizon)."""
     from memopd.report.results import budget_note
 
@@ -127,8 +127,12 @@ def test_result_tables_state_the_evaluation_budget(tmp_path):
                                                      "invalid_action_rate": 0.05 * s, "calls_per_episode": 3.0 + s,
                                                      "max_new_tokens": 1024}))
             (d / f"{b}.csv").write_text("task_id,em,f1\n" + "".join(f"t{i},{0.1 * s},{0.2}\n" for i in range(5)))
+    monkeypatch.setenv("MEMOPD_LABEL", "Controlled study")
     main(["report", "results", "--cfg", json.dumps(train), "--eval-dir", str(tmp_path / "eval"), "--out-dir",
           str(tmp_path / "tables"), "--figure", str(tmp_path / "f1.png")])
+    from PIL import Image
+
+    assert Image.open(tmp_path / "f1.png").text["Title"] == "Controlled study: F1 by horizon"  # the label, as captions
     for table in ("multiobjective", "wikirag", "vs_student"):
         caption = (tmp_path / "tables" / f"{table}.md").read_text().splitlines()[0]
         assert "response budget 1024 new tokens per call" in caption, caption

@@ -36,8 +36,12 @@ def test_mean_and_band_over_seeds(tmp_path):
     assert {k for k, _ in PANELS} == {"reward/task", "rollout/invalid_rate", "opd/loss", "ppo/clipfrac"}
 
 
-def test_cli_writes_the_figure_without_tracking(tmp_path, capsys):
+def test_cli_writes_the_figure_without_tracking(tmp_path, capsys, monkeypatch):
+    from PIL import Image
+
     from memopd.cli import main
+
+    monkeypatch.setenv("MEMOPD_LABEL", "Controlled study (x)")  # what the workflow sets from config `label`
 
     paths = [_run(tmp_path / f"{m}/seed{s}/metrics.jsonl", m, s, 2, opd=m != "ppo")
              for m in ("ppo", "memopd") for s in (0, 1)]
@@ -45,6 +49,7 @@ def test_cli_writes_the_figure_without_tracking(tmp_path, capsys):
     main(["report", "curves", "--cfg", json.dumps({"benchmark": "q2_train"}), "--metrics", *map(str, paths),
           "--figure", str(fig), "--table", str(tmp_path / "tables/training_curves.csv"), "--reward", "em"])
     assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert Image.open(fig).text["Title"].startswith("Controlled study (x): Training curves on q2_train")
     out = capsys.readouterr().out
     assert "tracking: off" in out and "opd/loss" in out and "memopd 1 -> 0.5" in out
     assert "panels: task reward (EM - invalid penalty); invalid-action rate" in out  # the score trained on

@@ -8,9 +8,10 @@ And each run's trend (`trend_rows`): did its reward rise, and is it flat at the 
 from __future__ import annotations
 
 import json
-import textwrap
 from collections import defaultdict
 from pathlib import Path
+
+from memopd.report.results import figure_title
 
 # (metrics.jsonl key, panel title); the keys train/loop.py and train/ppo.py write every step
 PANELS = (
@@ -88,11 +89,11 @@ def curves_figure(runs: dict[str, dict[int, list[dict]]], path: str | Path, titl
     for ax in axes[-1]:
         ax.set_xlabel("training step")
     # wrapped: a title naming every method and seed is wider than the figure and was cut at both edges
-    fig.suptitle(textwrap.fill(title or "Training curves: mean over seeds, band = min-max over seeds", 120),
-                 fontsize=10)
+    title = figure_title(title or "Training curves: mean over seeds, band = min-max over seeds", 120)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Title": title})
     plt.close(fig)
     return drawn
 

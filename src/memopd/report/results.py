@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+import textwrap
 from pathlib import Path
 
+from memopd.report.tables import LABEL_VAR
 from memopd.stats import NAN, bootstrap_ci, paired_bootstrap, relative_change_pct
 
 METRICS = {
@@ -59,6 +62,13 @@ def load_scores(eval_dir: str | Path, methods: list[str], seeds: list[int], benc
                     raise FileNotFoundError(f"missing evaluation {path} (method {m}, seed {s}, benchmark {b})")
                 out[(m, b)][s] = json.loads(path.read_text())
     return out
+
+
+def figure_title(title: str, width: int) -> str:
+    """`title` with the run's label in front (the workflow's `label`, e.g. the controlled study; as each table's
+    caption), wrapped to `width` characters. Figures also carry it as their PNG Title."""
+    label = os.environ.get(LABEL_VAR, "")
+    return textwrap.fill(f"{label}: {title}" if label else title, width)
 
 
 def horizon_order(horizons: dict[str, str]) -> dict[str, str]:
@@ -152,9 +162,11 @@ def horizon_figure(rows: list[dict], path: str | Path, metric: str = "f1") -> No
     ax.set_xlabel("horizon (questions per task)")
     ax.set_ylabel(f"{metric.upper()} (mean over seeds, 95% bootstrap CI)")
     ax.legend()
+    title = figure_title(f"{metric.upper()} by horizon", 60)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
+    fig.savefig(path, dpi=150, metadata={"Title": title})
     plt.close(fig)
 
 
