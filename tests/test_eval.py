@@ -110,26 +110,39 @@ def test_evaluation_uses_the_training_rollout_budget_unless_the_config_says_othe
     assert _budgets(embedded)["q16_test"] == 512
 
 
-def test_result_tables_state_the_evaluation_budget(tmp_path, monkeypatch):
-    """Tables 1-2 captions name the response budget the evaluations recorded (one number, or per horizon)."""
-    from memopd.report.results import budget_note
+RESULTS_CFG = {"methods": ["ppo", "memopd"], "seeds": [0, 1], "horizons": {"q16_test": "Q16", "q2_test": "Q2",
+                                                                     "wikirag_test": "wikirag"},
+               "student": "student_sft", "teacher": "teacher_sft", "steps": 2, "batch_tasks": 4}
+# the level each evaluation's scores are made of: a run's is its seed, the SFT models' their own
+LEVELS = {"student_sft": 0, "teacher_sft": 5}
 
-    train = {"methods": ["ppo", "memopd"], "seeds": [0, 1], "horizons": {"q16_test": "Q16", "q2_test": "Q2",
-                                                                   "wikirag_test": "wikirag"},
-             "student": "student_sft", "teacher": "teacher_sft", "steps": 2, "batch_tasks": 4}
-    for model in [f"{m}_seed{s}" for m in train["methods"] for s in train["seeds"]] + ["student_sft"]:
+
+def _evaluations(eval_dir, train=RESULTS_CFG):
+    """Every evaluation `report results` reads, with scores made of a level per model (LEVELS)."""
+    for model in [f"{m}_seed{s}" for m in train["methods"] for s in train["seeds"]] + list(LEVELS):
         for b in train["horizons"]:
-            d = tmp_path / "eval" / model
+            d = eval_dir / model
             d.mkdir(parents=True, exist_ok=True)
-            s = int(model[-1]) if model[-1].isdigit() else 0
+            s = LEVELS.get(model, int(model[-1]) if model[-1].isdigit() else 0)
             (d / f"{b}.json").write_text(json.dumps({"em": 0.1 * s, "f1": 0.2, "peak_context_tokens": 100,
                                                      "inference_time_s": 1.0, "dependency": 5.0,
                                                      "invalid_action_rate": 0.05 * s, "calls_per_episode": 3.0 + s,
                                                      "max_new_tokens": 1024}))
             (d / f"{b}.csv").write_text("task_id,em,f1\n" + "".join(f"t{i},{0.1 * s},{0.2}\n" for i in range(5)))
-    monkeypatch.setenv("MEMOPD_LABEL", "Controlled study")
+
+
+def _report_results(tmp_path, train=RESULTS_CFG):
     main(["report", "results", "--cfg", json.dumps(train), "--eval-dir", str(tmp_path / "eval"), "--out-dir",
           str(tmp_path / "tables"), "--figure", str(tmp_path / "f1.png")])
+
+
+def test_result_tables_state_the_evaluation_budget(tmp_path, monkeypatch):
+    """Tables 1-2 captions name the response budget the evaluations recorded (one number, or per horizon)."""
+    from memopd.report.results import budget_note
+
+    _evaluations(tmp_path / "eval")
+    monkeypatch.setenv("MEMOPD_LABEL", "Controlled study")
+    _report_results(tmp_path)
     from PIL import Image
 
     assert Image.open(tmp_path / "f1.png").text["Title"] == "Controlled study: F1 by horizon"  # the label, as captions
@@ -145,6 +158,32 @@ def test_result_tables_state_the_evaluation_budget(tmp_path, monkeypatch):
              ("memopd", "q8_test"): {0: {}}}
     assert budget_note(mixed, {"q2_test": "Q2", "q8_test": "Q8"}) == \
         "response budget (new tokens per call) Q2 64, Q8 320/not recorded"
+
+
+def test_result_tables_put_the_sft_student_and_teacher_above_the_methods(tmp_path, capsys):
+    """Tables 1-2 carry the SFT student and teacher on every horizon, each (horizon, metric) block opening with
+    them: their own value, its change vs PPO's mean in %, and blank seed columns (one evaluation each)."""
+    _evaluations(tmp_path / "eval")
+    _report_results(tmp_path)
+    for table, horizons in (("multiobjective", ["Q2", "Q16"]), ("wikirag", ["wikirag"])):
+        rows = pd.read_csv(tmp_path / "tables" / f"{table}.csv")
+        for (horizon, metric), block in rows.groupby(["horizon", "metric"], sort=False):
+            assert list(block["method"]) == ["student_sft", "teacher_sft", "ppo", "memopd"], (table, horizon, metric)
+        assert sorted(rows["horizon"].unique()) == sorted(horizons)
+        teacher = rows[(rows["method"] == "teacher_sft") & (rows["horizon"] == horizons[-1])].set_index("metric")
+        ppo_em = (0.1 * 0 + 0.1 * 1) / 2  # seeds 0 and 1
+        assert teacher.loc["em", "mean"] == pytest.approx(0.5)
+        assert teacher.loc["em", "rel_to_ppo_pct"] == pytest.approx(100 * (0.5 - ppo_em) / ppo_em)
+        assert teacher.loc["calls_per_episode", "mean"] == pytest.approx(8.0)
+        assert teacher[["std", "ci_low", "ci_high", "seeds", "paired_diff_vs_ppo", "noise"]].isna().all().all()
+    md = (tmp_path / "tables" / "multiobjective.md").read_text()
+    assert "rows student_sft and teacher_sft" in md.splitlines()[0]
+    assert not [line for line in md.splitlines() if line.startswith("Finding") and "_sft" in line]
+    (tmp_path / "eval" / "teacher_sft" / "q16_test.json").unlink()
+    with pytest.raises(SystemExit):
+        _report_results(tmp_path)
+    err = capsys.readouterr().err
+    assert "missing evaluation" in err and "teacher_sft/q16_test.json" in err, err
 
 
 @pytest.mark.parametrize("cfg_file", ["config/config.yaml", "config/paper.yaml"])

@@ -51,7 +51,8 @@ rule train:
 
 rule results_tables:
     input:
-        evals=expand("results/eval/{model}/{benchmark}.json", model=TRAINED + [TRAIN["student"]],
+        # the runs, and the SFT student and teacher (vs_student, and their rows in Tables 1-2)
+        evals=expand("results/eval/{model}/{benchmark}.json", model=TRAINED + [TRAIN["student"], TRAIN["teacher"]],
                      benchmark=list(TRAIN["horizons"])),
     output:
         multi=report("results/tables/multiobjective.csv", caption=caption("multiobjective"), category=REPORT_TRAINING,

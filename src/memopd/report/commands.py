@@ -13,8 +13,8 @@ MATCHED_KEYS = ("seeds", "student", "teacher", "benchmark", "steps", "batch_task
 def cmd_report_results(args, cfg):
     """Tables 1-2 (multiobjective, wikirag), vs_student and the F1-vs-horizon figure; every evaluation is read
     before anything is written. The matched control is its own command (report matched-control)."""
-    from memopd.report.results import (METRICS, budget_note, horizon_figure, horizon_order, load_scores, table_notes,
-                                       table_rows, vs_student_rows)
+    from memopd.report.results import (METRICS, budget_note, horizon_figure, horizon_order, load_reference,
+                                       load_scores, table_notes, table_rows, vs_student_rows)
 
     require(cfg, *RESULTS_KEYS)
     methods, seeds = cfg["methods"], cfg["seeds"]
@@ -23,19 +23,21 @@ def cmd_report_results(args, cfg):
                f"per-seed difference vs PPO with its 95% bootstrap CI and whether it contains 0, the paper's "
                f"change of MemOPD vs PPO in % where it reports one; student {cfg['student']}, teacher "
                f"{cfg['teacher']}, {cfg['steps']} steps x {cfg['batch_tasks']} tasks; EM/F1 = per-task mean over "
-               f"questions")
+               f"questions; rows {cfg['student']} and {cfg['teacher']}: the SFT student every run starts from and the "
+               f"teacher, one greedy evaluation each (change vs PPO in %; no seeds, so no std or intervals)")
     q = {b: h for b, h in horizons.items() if h != "wikirag"}
     wiki = {b: h for b, h in horizons.items() if h == "wikirag"}
     scores = load_scores(args.eval_dir, methods, seeds, list(horizons))
-    multi = table_rows(scores, methods, q, METRICS["multiobjective"])
+    ref = load_reference(args.eval_dir, list(dict.fromkeys([cfg["student"], cfg["teacher"]])), list(horizons))
+    multi = table_rows(scores, methods, q, METRICS["multiobjective"], ref)
     rows = vs_student_rows(args.eval_dir, cfg["student"], methods, seeds, horizons)
     write_table(multi, Path(args.out_dir) / "multiobjective.csv",
                 f"{caption.format('Multi-objective (Q2 train)')}; {budget_note(scores, q)}", notes=table_notes(multi))
     if wiki:
-        wrows = table_rows(scores, methods, wiki, METRICS["wikirag"])
+        wrows = table_rows(scores, methods, wiki, METRICS["wikirag"], ref)
         write_table(wrows, Path(args.out_dir) / "wikirag.csv", f"{caption.format('Wiki-RAG')}; "
                     f"{budget_note(scores, wiki)}", notes=table_notes(wrows))
-    horizon_figure(multi, args.figure)
+    horizon_figure([r for r in multi if r["method"] in methods], args.figure)
     write_table(rows, Path(args.out_dir) / "vs_student.csv",
                 f"Each method against the SFT student it started from ({cfg['student']}), per task: method (mean "
                 f"over seeds {seeds}) - student, mean difference with a 95% paired bootstrap CI over tasks; "

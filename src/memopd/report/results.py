@@ -64,6 +64,19 @@ def load_scores(eval_dir: str | Path, methods: list[str], seeds: list[int], benc
     return out
 
 
+def load_reference(eval_dir: str | Path, models: list[str], benchmarks: list[str]) -> dict:
+    """{(model, benchmark): eval json} of the SFT models (results/eval/{model}/{benchmark}.json): one greedy
+    evaluation each, the rows Tables 1-2 put above the methods for scale."""
+    out = {}
+    for m in models:
+        for b in benchmarks:
+            path = Path(eval_dir) / m / f"{b}.json"
+            if not path.exists():
+                raise FileNotFoundError(f"missing evaluation {path} (SFT model {m}, benchmark {b})")
+            out[(m, b)] = json.loads(path.read_text())
+    return out
+
+
 def figure_title(title: str, width: int) -> str:
     """`title` with the run's label in front (the workflow's `label`, e.g. the controlled study; as each table's
     caption), wrapped to `width` characters. Figures also carry it as their PNG Title."""
@@ -96,13 +109,21 @@ def budget_note(scores: dict, horizons: dict[str, str]) -> str:
     return "response budget (new tokens per call) " + ", ".join(f"{h} {t}" for h, t in text.items())
 
 
-def table_rows(scores: dict, methods: list[str], horizons: dict[str, str], metrics: list[str]) -> list[dict]:
-    """horizons: {benchmark file name: horizon label}, e.g. {"q2_test": "Q2"}."""
+def table_rows(scores: dict, methods: list[str], horizons: dict[str, str], metrics: list[str],
+               reference: dict | None = None) -> list[dict]:
+    """horizons: {benchmark file name: horizon label}, e.g. {"q2_test": "Q2"}. reference: load_reference's
+    {(model, benchmark): eval json}; each of its models gets a row above the methods' (its value and its change
+    vs PPO in %; one evaluation, so the seed columns are blank)."""
     rows = []
     for bench, horizon in horizons.items():
         for metric in metrics:
             ppo = scores.get(("ppo", bench), {})
             ppo_mean = statistics.fmean(r[metric] for r in ppo.values()) if ppo else float("nan")
+            for (model, b), result in (reference or {}).items():
+                if b == bench:
+                    rows.append({**dict.fromkeys(COLUMNS, ""), "method": model, "horizon": horizon, "metric": metric,
+                                 "mean": result[metric], "paper_rel_to_ppo_pct": NAN,
+                                 "rel_to_ppo_pct": relative_change_pct(ppo_mean, result[metric]) if ppo else NAN})
             for m in methods:
                 per_seed = scores[(m, bench)]
                 vals = [per_seed[s][metric] for s in sorted(per_seed)]
