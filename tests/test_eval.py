@@ -184,6 +184,11 @@ def test_result_tables_put_the_sft_student_and_teacher_above_the_methods(tmp_pat
         _report_results(tmp_path)
     err = capsys.readouterr().err
     assert "missing evaluation" in err and "teacher_sft/q16_test.json" in err, err
+    (tmp_path / "eval" / "memopd_seed1" / "q2_test.json").unlink()  # a run's, read first
+    with pytest.raises(SystemExit):
+        _report_results(tmp_path)
+    err = capsys.readouterr().err
+    assert "memopd_seed1/q2_test.json (method memopd, seed 1, benchmark q2_test)" in err, err
 
 
 @pytest.mark.parametrize("cfg_file", ["config/config.yaml", "config/paper.yaml"])

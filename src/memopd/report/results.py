@@ -57,24 +57,22 @@ def load_scores(eval_dir: str | Path, methods: list[str], seeds: list[int], benc
         for b in benchmarks:
             out[(m, b)] = {}
             for s in seeds:
-                path = Path(eval_dir) / f"{m}_seed{s}" / f"{b}.json"
-                if not path.exists():
-                    raise FileNotFoundError(f"missing evaluation {path} (method {m}, seed {s}, benchmark {b})")
-                out[(m, b)][s] = json.loads(path.read_text())
+                out[(m, b)][s] = _eval_json(Path(eval_dir) / f"{m}_seed{s}" / f"{b}.json",
+                                            f"method {m}, seed {s}, benchmark {b}")
     return out
+
+
+def _eval_json(path: Path, what: str) -> dict:
+    if not path.exists():
+        raise FileNotFoundError(f"missing evaluation {path} ({what})")
+    return json.loads(path.read_text())
 
 
 def load_reference(eval_dir: str | Path, models: list[str], benchmarks: list[str]) -> dict:
     """{(model, benchmark): eval json} of the SFT models (results/eval/{model}/{benchmark}.json): one greedy
     evaluation each, the rows Tables 1-2 put above the methods for scale."""
-    out = {}
-    for m in models:
-        for b in benchmarks:
-            path = Path(eval_dir) / m / f"{b}.json"
-            if not path.exists():
-                raise FileNotFoundError(f"missing evaluation {path} (SFT model {m}, benchmark {b})")
-            out[(m, b)] = json.loads(path.read_text())
-    return out
+    return {(m, b): _eval_json(Path(eval_dir) / m / f"{b}.json", f"SFT model {m}, benchmark {b}")
+            for m in models for b in benchmarks}
 
 
 def figure_title(title: str, width: int) -> str:
