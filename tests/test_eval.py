@@ -175,7 +175,7 @@ def test_result_tables_put_the_sft_student_and_teacher_above_the_methods(tmp_pat
         assert teacher.loc["em", "mean"] == pytest.approx(0.5)
         assert teacher.loc["em", "rel_to_ppo_pct"] == pytest.approx(100 * (0.5 - ppo_em) / ppo_em)
         assert teacher.loc["calls_per_episode", "mean"] == pytest.approx(8.0)
-        assert teacher[["std", "ci_low", "ci_high", "seeds", "paired_diff_vs_ppo", "noise"]].isna().all().all()
+        assert teacher[["std", "ci_low", "ci_high", "seeds", "diff_vs_ppo", "p", "noise"]].isna().all().all()
     md = (tmp_path / "tables" / "multiobjective.md").read_text()
     assert "rows student_sft and teacher_sft" in md.splitlines()[0]
     assert not [line for line in md.splitlines() if line.startswith("Finding") and "_sft" in line]

@@ -2,19 +2,22 @@
 import csv
 import itertools
 import json
+import math
 import statistics
 
 import pytest
 
 from memopd.cli import main
 from memopd.report.results import matched_control_notes, matched_control_rows, matched_control_table
-from memopd.stats import paired_bootstrap
 
-SEEDS = [0, 3, 7]
+SEEDS = [0, 3, 7, 8, 9, 20]  # six: the smallest sign-flip p is 2 / 64, so a difference can be outside the noise
 # Per seed, q2_test: memopd_persistent beats ppo on every seed (F1); memopd vs memopd_persistent changes
-# sign across seeds (F1 diffs +0.10, -0.10, +0.02): an interval that must contain 0.
-F1 = {"ppo": [0.20, 0.30, 0.25], "memopd_persistent": [0.22, 0.33, 0.26], "memopd": [0.32, 0.23, 0.28]}
-EM = {"ppo": [0.10, 0.20, 0.15], "memopd_persistent": [0.12, 0.20, 0.18], "memopd": [0.14, 0.25, 0.18]}
+# sign across seeds (F1 diffs +0.10, -0.10, +0.02, 0, -0.01, -0.01): inside the noise.
+F1 = {"ppo": [0.20, 0.30, 0.25, 0.22, 0.28, 0.24], "memopd_persistent": [0.22, 0.33, 0.26, 0.25, 0.30, 0.27],
+      "memopd": [0.32, 0.23, 0.28, 0.25, 0.29, 0.26]}
+EM = {"ppo": [0.10, 0.20, 0.15, 0.12, 0.18, 0.14], "memopd_persistent": [0.12, 0.20, 0.18, 0.13, 0.19, 0.15],
+      "memopd": [0.14, 0.25, 0.20, 0.16, 0.21, 0.17]}
+T975_DF5 = 2.571  # Student t quantile t(0.975, 5), from a printed table
 TRAIN = {"student": "student_sft", "teacher": "teacher_sft", "benchmark": "q2_train", "steps": 4, "batch_tasks": 8,
          "seeds": [0, 1, 2, 3, 4], "matched_control": {"seeds": SEEDS, "benchmark": "q2_test"}}
 
@@ -37,13 +40,10 @@ def _read(path):
         return {(r["row"], r["metric"]): r for r in csv.DictReader(f)}
 
 
-def _exact_bootstrap_range(base, other):
-    """Smallest and largest relative change (%) over every resample of the seeds (plain enumeration)."""
-    vals = []
-    for idx in itertools.product(range(len(base)), repeat=len(base)):
-        b, o = statistics.fmean(base[i] for i in idx), statistics.fmean(other[i] for i in idx)
-        vals.append(100 * (o - b) / b)
-    return min(vals), max(vals)
+def _sign_flip(d):
+    obs = abs(sum(d))
+    return sum(abs(sum(x * v for x, v in zip(signs, d))) >= obs - 1e-12
+               for signs in itertools.product((-1, 1), repeat=len(d))) / 2 ** len(d)
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_method_rows_are_the_control_seeds_on_its_benchmark(table):
             r = rows[(m, metric)]
             assert float(r["mean"]) == pytest.approx(statistics.fmean(vals))  # seed 1 and q8_test (9.0) unread
             assert float(r["std"]) == pytest.approx(statistics.stdev(vals))
-            assert int(r["seeds"]) == 3 and float(r["ci_low"]) <= float(r["mean"]) <= float(r["ci_high"])
+            assert int(r["seeds"]) == 6 and float(r["ci_low"]) <= float(r["mean"]) <= float(r["ci_high"])
             assert r["change_pct"] == "" and r["noise"] == ""
 
 
@@ -72,28 +72,37 @@ def test_increments_match_a_plain_computation(table, other, base, paper):
     rows = _read(table)
     for metric, data in (("f1", F1), ("em", EM)):
         r = rows[(f"{other} vs {base}", metric)]
+        d = [o - b for b, o in zip(data[base], data[other])]
         mb, mo = statistics.fmean(data[base]), statistics.fmean(data[other])
         assert float(r["change_pct"]) == pytest.approx(100 * (mo - mb) / mb)
-        assert float(r["paired_diff"]) == pytest.approx(statistics.fmean(o - b for b, o in zip(data[base], data[other])))
-        assert float(r["paper_change_pct"]) == paper[metric]
-        lo, hi = _exact_bootstrap_range(data[base], data[other])
-        assert lo - 1e-9 <= float(r["change_ci_low"]) <= float(r["change_ci_high"]) <= hi + 1e-9
-        # the verdict is what the interval says about 0
-        inside = float(r["paired_ci_low"]) <= 0 <= float(r["paired_ci_high"])
-        assert r["noise"].startswith("inside" if inside else "outside")
-        assert (float(r["change_ci_low"]) <= 0 <= float(r["change_ci_high"])) == inside
+        assert float(r["diff"]) == pytest.approx(statistics.fmean(d))
+        half = T975_DF5 * statistics.stdev(d) / math.sqrt(len(d))
+        assert float(r["diff_ci_low"]) == pytest.approx(statistics.fmean(d) - half, abs=1e-3 * half)
+        assert float(r["diff_ci_high"]) == pytest.approx(statistics.fmean(d) + half, abs=1e-3 * half)
+        assert float(r["p"]) == pytest.approx(_sign_flip(d)) and float(r["p_min"]) == pytest.approx(2 / 64)
+        assert float(r["paper_change_pct"]) == paper[metric] and int(r["comparisons"]) == 4
+        assert r["role"] == ("primary" if metric == "f1" else "secondary")
 
 
-def test_noise_verdicts_of_clear_and_mixed_differences(table):
+def test_em_is_holm_adjusted_and_the_verdicts_follow_the_rule(table):
     rows = _read(table)
-    assert rows[("memopd_persistent vs ppo", "f1")]["noise"].startswith("outside")  # better on every seed
-    assert rows[("memopd vs memopd_persistent", "f1")]["noise"].startswith("inside")  # +0.10, -0.10, +0.02
+    em = [rows[(f"{o} vs {b}", "em")] for o, b in (("memopd_persistent", "ppo"), ("memopd", "memopd_persistent"))]
+    p = sorted(float(r["p"]) for r in em)
+    adjusted = sorted(float(r["p_holm"]) for r in em)
+    assert adjusted == pytest.approx([min(1, 2 * p[0]), max(min(1, 2 * p[0]), p[1])])  # Holm over the two EM rows
+    f1 = rows[("memopd_persistent vs ppo", "f1")]
+    assert float(f1["p_holm"]) == float(f1["p"]) == pytest.approx(2 / 64)  # primary: not adjusted
+    assert f1["noise"] == "outside the noise"  # better on every seed
+    assert rows[("memopd vs memopd_persistent", "f1")]["noise"] == "inside the noise"  # mixed signs
+    # the same EM difference (p 2/64 alone) is only suggestive once adjusted for the two EM comparisons
+    assert float(rows[("memopd vs memopd_persistent", "em")]["p"]) == pytest.approx(2 / 64)
+    assert rows[("memopd vs memopd_persistent", "em")]["noise"] == "suggestive"
 
 
 def test_caption_names_the_runs_and_findings_quote_the_paper(table):
     md = table.with_suffix(".md").read_text()
     caption = md.splitlines()[0]
-    for needle in ("ppo, memopd_persistent, memopd", "seeds [0, 3, 7]", "q2_test", "results/train/{method}/seed{seed}/",
+    for needle in ("ppo, memopd_persistent, memopd", "seeds [0, 3, 7, 8, 9, 20]", "q2_test", "results/train/{method}/seed{seed}/",
                    "ppo_seed0", "memopd_persistent_seed3", "memopd_seed7", "results/eval/{model}/q2_test.json",
                    "20 tasks", "+5.6% F1 / +4.4% EM", "+7.0% F1 / +10.0% EM"):
         assert needle in caption, needle
@@ -101,7 +110,11 @@ def test_caption_names_the_runs_and_findings_quote_the_paper(table):
     findings = [line for line in md.splitlines() if line.startswith("Finding")]
     assert len(findings) == 4
     mixed = next(f for f in findings if "alignment on top" in f and "F1" in f)
-    assert "paper +7.0%" in mixed and "inside the noise: the interval contains 0" in mixed
+    assert "paper +7.0%" in mixed and "inside the noise: these seeds do not tell it" in mixed
+    assert "exact p " in mixed and "(smallest possible 0.0312)" in mixed and "4 comparisons in the table" in mixed
+    em = next(f for f in findings if "alignment on top" in f and "EM" in f)
+    assert "Holm-adjusted p 0.0625 (secondary)" in em and "suggestive only" in em
+    assert "paired t interval and exact sign-flip" in caption and "EM Holm-adjusted" in caption
 
 
 def test_one_seed_gives_no_interval_and_says_so(tmp_path):
@@ -109,7 +122,7 @@ def test_one_seed_gives_no_interval_and_says_so(tmp_path):
     cfg = {**TRAIN, "matched_control": {"seeds": [7]}}  # benchmark: the default q2_test
     rows = {(r["row"], r["metric"]): r for r in matched_control_table(cfg, tmp_path / "eval", tmp_path / "t.csv")}
     r = rows[("memopd vs memopd_persistent", "f1")]
-    assert r["noise"] == "no interval (1 seed)" and r["paired_diff"] == pytest.approx(0.32 - 0.22)  # the first values
+    assert r["noise"] == "no test (1 seed)" and r["diff"] == pytest.approx(0.32 - 0.22)  # the first values
     md = (tmp_path / "t.md").read_text()
     assert "no claim" in md and "; 1 seed); " in md and "1 seeds" not in md
 
@@ -121,18 +134,11 @@ def test_a_missing_run_names_its_evaluation(tmp_path):
         matched_control_table(cfg, tmp_path / "eval", tmp_path / "t.csv")
 
 
-def test_paired_bootstrap_keeps_pairs_and_handles_a_zero_baseline():
-    pb = paired_bootstrap([0.1, 0.2, 0.3, 0.4], [0.2, 0.3, 0.4, 0.5])  # +0.1 on every seed
-    assert pb["diff_ci"][0] == pytest.approx(0.1) and pb["diff_ci"][1] == pytest.approx(0.1)  # pairs kept together
-    zero = paired_bootstrap([0.0, 0.0], [0.1, 0.3])
-    assert zero["diff"] == pytest.approx(0.2) and zero["diff_ci"][0] > 0
-    assert all(v != v for v in (zero["rel_pct"], *zero["rel_ci"]))  # NaN: no relative change from 0
-
-
 def test_findings_say_whether_a_clear_difference_goes_the_papers_way():
     """Hand-made direction: memopd_persistent beats ppo on every seed (the paper's sign, +5.6% F1); memopd loses
-    to memopd_persistent on every seed (against the paper's +7.0%). Both intervals exclude 0."""
-    f1 = {"ppo": [0.20, 0.30, 0.25], "memopd_persistent": [0.24, 0.33, 0.30], "memopd": [0.20, 0.31, 0.26]}
+    to memopd_persistent on every seed (against the paper's +7.0%). Both are outside the noise."""
+    f1 = {"ppo": [0.20, 0.30, 0.25, 0.22, 0.28, 0.24], "memopd_persistent": [0.24, 0.33, 0.30, 0.26, 0.31, 0.27],
+          "memopd": [0.20, 0.31, 0.26, 0.23, 0.29, 0.25]}
     scores = {(m, "q2_test"): {s: {"f1": v, "em": v} for s, v in zip(SEEDS, vals)} for m, vals in f1.items()}
     notes = {line.split(",")[0]: line for line in matched_control_notes(matched_control_rows(scores, "q2_test"))
              if ", F1)" in line}

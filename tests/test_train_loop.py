@@ -1,6 +1,7 @@
 """The training run: real rollouts of a protocol-speaking tiny student, exact packed updates, resume."""
 import json
 import re
+import statistics
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,7 +12,6 @@ from safetensors.torch import load_file
 
 from agent_support import ROOT, nq_tasks, protocol_student, random_student, retriever, tokenizer
 from memopd.report.results import table_rows
-from memopd.stats import bootstrap_ci
 from memopd.train.loop import task_order, train_run
 
 
@@ -149,47 +149,70 @@ def test_result_tables_known_values():
     rows = {r["method"]: r for r in table_rows(scores, ["ppo", "memopd"], {"q2_test": "Q2"}, ["f1"])}
     assert rows["memopd"]["mean"] == pytest.approx(0.45)
     assert rows["memopd"]["rel_to_ppo_pct"] == pytest.approx(50.0)
-    assert rows["memopd"]["paired_diff_vs_ppo"] == pytest.approx(0.15)
+    assert rows["memopd"]["diff_vs_ppo"] == pytest.approx(0.15)
     assert rows["ppo"]["rel_to_ppo_pct"] == 0.0 and rows["ppo"]["seeds"] == 2
-    lo, hi = bootstrap_ci([1.0, 2.0, 3.0, 4.0, 5.0])
-    assert 1.0 <= lo < 3.0 < hi <= 5.0
-    assert bootstrap_ci([2.0]) == (2.0, 2.0)
+    # two seeds: t(0.975, 1) = 12.706 (printed table) x the standard error 0.15 / sqrt(2)
+    half = 12.706 * statistics.stdev([0.3, 0.6]) / 2 ** 0.5
+    assert (rows["memopd"]["ci_low"], rows["memopd"]["ci_high"]) == pytest.approx((0.45 - half, 0.45 + half), rel=1e-4)
+    assert rows["memopd"]["p"] == pytest.approx(0.5) and rows["memopd"]["noise"] == "inside the noise"
 
 
 def test_result_tables_quote_the_paper_and_give_a_verdict_per_comparison():
-    """Hand-made directions over three seeds: memopd above ppo on every seed on Q2 (the paper's +14.3% F1), below
-    it on every seed on Q8 (against the paper's +283.2%), memopd_persistent above and below ppo (mixed)."""
+    """Hand-made directions over six seeds: memopd above ppo on every seed on Q2 (the paper's +14.3% F1), below
+    it on every seed on Q8 (against the paper's +283.2%), memopd_persistent above and below ppo (mixed). Q2 F1 is
+    primary (trained on q2); Q8 and the other metrics are Holm-adjusted over the table's secondary comparisons."""
     from memopd.report.results import table_notes
 
-    f1 = {("ppo", "q2_test"): [0.2, 0.3, 0.25], ("memopd", "q2_test"): [0.3, 0.35, 0.3],
-          ("memopd_persistent", "q2_test"): [0.3, 0.2, 0.26],
-          ("ppo", "q8_test"): [0.2, 0.3, 0.25], ("memopd", "q8_test"): [0.1, 0.2, 0.2],
-          ("memopd_persistent", "q8_test"): [0.2, 0.3, 0.25]}
+    ppo = [0.2, 0.3, 0.25, 0.22, 0.28, 0.24]
+    f1 = {("ppo", "q2_test"): ppo, ("memopd", "q2_test"): [v + d for v, d in zip(ppo, [.1, .05, .05, .08, .04, .06])],
+          ("memopd_persistent", "q2_test"): [v + d for v, d in zip(ppo, [.1, -.1, .01, -.02, .03, -.01])],
+          ("ppo", "q8_test"): ppo, ("memopd", "q8_test"): [v - d for v, d in zip(ppo, [.1, .1, .05, .04, .06, .07])],
+          ("memopd_persistent", "q8_test"): ppo}
     scores = {k: {s: {"f1": v, "peak_context_tokens": 100.0 + v} for s, v in enumerate(vals)} for k, vals in f1.items()}
     rows = table_rows(scores, ["ppo", "memopd", "memopd_persistent"], {"q2_test": "Q2", "q8_test": "Q8"},
-                      ["f1", "peak_context_tokens"])
+                      ["f1", "peak_context_tokens"], primary="Q2")
     got = {(r["method"], r["horizon"], r["metric"]): r for r in rows}
     assert got[("memopd", "Q2", "f1")]["paper_rel_to_ppo_pct"] == 14.3
     assert got[("memopd", "Q8", "f1")]["paper_rel_to_ppo_pct"] == 283.2
     assert got[("memopd_persistent", "Q2", "f1")]["paper_rel_to_ppo_pct"] != got[("memopd_persistent", "Q2", "f1")]["paper_rel_to_ppo_pct"]  # NaN
-    assert got[("memopd", "Q2", "f1")]["noise"].startswith("outside") and got[("ppo", "Q2", "f1")]["noise"] == ""
-    assert got[("memopd_persistent", "Q2", "f1")]["noise"].startswith("inside")
+    assert got[("memopd", "Q2", "f1")]["noise"] == "outside the noise" and got[("ppo", "Q2", "f1")]["noise"] == ""
+    assert got[("memopd_persistent", "Q2", "f1")]["noise"] == "inside the noise"
+    assert {r["comparisons"] for r in rows if r["method"] != "ppo"} == {8}
+    secondary = [r for r in rows if r["role"] == "secondary"]
+    assert len(secondary) == 6 and {r["role"] for r in rows if r["metric"] == "f1" and r["horizon"] == "Q2" and r["method"] != "ppo"} == {"primary"}
+    # Holm over the 6 secondary p values, by hand: sorted, times 6, 5, ..., running maximum
+    ps = sorted((r["p"], id(r)) for r in secondary)
+    running = 0.0
+    for k, (p, key) in enumerate(ps):
+        running = max(running, min(1.0, (6 - k) * p))
+        assert next(r for r in secondary if id(r) == key)["p_holm"] == pytest.approx(running)
+    q8 = got[("memopd", "Q8", "f1")]
+    assert q8["p"] == pytest.approx(2 / 64) and q8["p_holm"] > 0.05 and q8["noise"] != "outside the noise"
     notes = {n.split(")")[0] + ")": n for n in table_notes(rows)}
     assert set(notes) == {f"Finding ({m} vs ppo, {h}, f1)" for m in ("memopd", "memopd_persistent") for h in ("Q2", "Q8")}
     assert "paper +14.3%; outside the noise, the same direction as the paper" in notes["Finding (memopd vs ppo, Q2, f1)"]
-    assert "paper +283.2%; outside the noise, the opposite direction as the paper" in notes["Finding (memopd vs ppo, Q8, f1)"]
+    assert "primary, not adjusted; 8 comparisons in the table; 6 seeds" in notes["Finding (memopd vs ppo, Q2, f1)"]
+    assert "exact p 0.0312 (smallest possible 0.0312)" in notes["Finding (memopd vs ppo, Q2, f1)"]
+    assert "(secondary)" in notes["Finding (memopd vs ppo, Q8, f1)"]
+    # below ppo on every seed (p 2/64 alone), but one of 6 secondary comparisons: Holm p 0.1875
+    assert "Holm-adjusted p 0.1875 (secondary)" in notes["Finding (memopd vs ppo, Q8, f1)"]
+    assert "paper +283.2%; inside the noise" in notes["Finding (memopd vs ppo, Q8, f1)"]
     assert "no paper figure; inside the noise" in notes["Finding (memopd_persistent vs ppo, Q2, f1)"]
-    assert notes["Finding (memopd vs ppo, Q2, f1)"].startswith("Finding (memopd vs ppo, Q2, f1): +26.7% ")  # 0.317 / 0.25
-    assert ": -33.3% " in notes["Finding (memopd vs ppo, Q8, f1)"]
-    q16 = {("ppo", "q16_test"): [100.0, 110.0], ("memopd", "q16_test"): [80.0, 90.0]}
+    q16 = {("ppo", "q16_test"): [100.0, 110.0, 104.0, 98.0, 107.0, 101.0], ("memopd", "q16_test"): [80.0, 90.0, 85.0, 79.0, 88.0, 81.0]}
     scores = {k: {s: {"f1": 0.1, "peak_context_tokens": v} for s, v in enumerate(vals)} for k, vals in q16.items()}
     notes = table_notes(table_rows(scores, ["ppo", "memopd"], {"q16_test": "Q16"}, ["f1", "peak_context_tokens"]))
     peak = next(n for n in notes if "peak_context_tokens" in n)  # not EM/F1, but the paper reports it: -33.0%
-    assert peak.startswith("Finding (memopd vs ppo, Q16, peak_context_tokens): -19.0% ") and "paper -33.0%" in peak
-    assert "outside the noise, the same direction as the paper" in peak
+    assert peak.startswith("Finding (memopd vs ppo, Q16, peak_context_tokens): -18.9% ") and "paper -33.0%" in peak
+    # no primary (no trained horizon given): both comparisons secondary, Holm p 2 x 2/64 = 0.0625
+    assert "Holm-adjusted p 0.0625 (secondary)" in peak
+    assert "suggestive only (not outside the noise), the same direction as the paper" in peak
+    welch = {("ppo", "q2_test"): {s: {"f1": v} for s, v in enumerate(ppo)},
+             ("memopd", "q2_test"): {s + 10: {"f1": v + 0.2} for s, v in enumerate(ppo)}}  # other seeds: unpaired
+    [note] = table_notes(table_rows(welch, ["ppo", "memopd"], {"q2_test": "Q2"}, ["f1"], primary="Q2"))
+    assert "Welch 95% CI" in note and "exact p 0.0022" in note and "1 comparison in" in note  # 2 / C(12, 6): no overlap
     one = {("ppo", "q2_test"): {0: {"f1": 0.2}}, ("memopd", "q2_test"): {0: {"f1": 0.3}}}
     [note] = table_notes(table_rows(one, ["ppo", "memopd"], {"q2_test": "Q2"}, ["f1"]))
-    assert "(per-seed difference +0.1000; no interval; 1 seed); paper +14.3%; one seed: no interval" in note
+    assert "(difference +0.1000; no test; 1 seed); paper +14.3%; one seed: no test" in note
 
 
 def test_a_rank_share_of_a_batch_samples_the_single_process_episodes(setup):
@@ -449,8 +472,9 @@ def test_a_smaller_critic_keeps_the_students_first_layers(setup, tmp_path, monke
 
 
 def test_each_method_is_compared_with_its_sft_student_task_by_task(tmp_path):
-    """vs_student_rows: per task, the method's score averaged over seeds minus the student's; the mean and the
-    interval against a plain loop; a constant gain has a point interval outside the noise, a zero-mean one not."""
+    """vs_student_rows: per task, the method's score averaged over seeds minus the student's; the test over seeds
+    (per seed the mean difference: t interval, exact sign-flip p) against plain loops; a gain on every seed is
+    outside the noise, a zero-mean one inside; one seed: BCa over tasks and no test over seeds."""
     import csv
     import random as rnd
 
@@ -468,20 +492,29 @@ def test_each_method_is_compared_with_its_sft_student_task_by_task(tmp_path):
     tasks = [f"t{i}" for i in range(40)]
     student = {t: rng.random() for t in tasks}
     write("student_sft", student)
-    write("ppo_seed0", {t: min(1.0, v + 0.1) for t, v in student.items()})
-    write("ppo_seed1", {t: min(1.0, v + 0.3) for t, v in student.items()})
-    noise = {t: (0.05 if i % 2 else -0.05) for i, t in enumerate(tasks)}
-    write("memopd_seed0", {t: student[t] + noise[t] for t in tasks})
-    write("memopd_seed1", {t: student[t] + noise[t] for t in tasks})
-    rows = {(r["method"], r["metric"]): r for r in vs_student_rows(tmp_path, "student_sft", ["ppo", "memopd"], [0, 1],
-                                                                   {"q2_test": "Q2"})}
-    expect = sum((min(1.0, student[t] + 0.1) + min(1.0, student[t] + 0.3)) / 2 - student[t] for t in tasks) / len(tasks)
+    gains = [0.1, 0.3, 0.2, 0.15, 0.25, 0.12]
+    seeds = list(range(6))
+    for s, g in zip(seeds, gains):
+        write(f"ppo_seed{s}", {t: min(1.0, v + g) for t, v in student.items()})
+        write(f"memopd_seed{s}", {t: student[t] + (0.05 if (i + s) % 2 else -0.05) for i, t in enumerate(tasks)})
+    rows = {(r["method"], r["metric"]): r for r in vs_student_rows(tmp_path, "student_sft", ["ppo", "memopd"], seeds,
+                                                                   {"q2_test": "Q2"}, primary="Q2")}
+    per_seed = [sum(min(1.0, student[t] + g) - student[t] for t in tasks) / 40 for g in gains]
     r = rows[("ppo", "f1")]
-    assert r["diff"] == pytest.approx(expect) and r["student"] == pytest.approx(sum(student.values()) / 40)
-    assert 0 < r["ci_low"] <= r["diff"] <= r["ci_high"] and r["noise"].startswith("outside")
+    assert r["diff"] == pytest.approx(sum(per_seed) / 6) and r["student"] == pytest.approx(sum(student.values()) / 40)
+    half = 2.571 * statistics.stdev(per_seed) / 6 ** 0.5  # t(0.975, 5) from a printed table
+    assert (r["seed_ci_low"], r["seed_ci_high"]) == pytest.approx((r["diff"] - half, r["diff"] + half), rel=1e-3)
+    assert 0 < r["ci_low"] <= r["diff"] <= r["ci_high"]  # two-level bootstrap: seeds, then tasks
+    assert r["p"] == pytest.approx(2 / 64) and r["role"] == "primary" and r["noise"] == "outside the noise"
     m = rows[("memopd", "f1")]
-    assert m["diff"] == pytest.approx(0.0, abs=1e-12) and m["ci_low"] < 0 < m["ci_high"] and m["noise"].startswith("inside")
-    assert rows[("ppo", "f1")]["tasks"] == 40 and rows[("ppo", "f1")]["seeds"] == 2
+    signs = [sum(0.05 if (i + s) % 2 else -0.05 for i in range(40)) / 40 for s in seeds]  # 0 on every seed
+    assert m["diff"] == pytest.approx(sum(signs) / 6, abs=1e-12) and m["noise"] == "inside the noise"
+    assert rows[("ppo", "em")]["role"] == "secondary" and rows[("ppo", "f1")]["comparisons"] == 4
+    assert rows[("ppo", "f1")]["tasks"] == 40 and rows[("ppo", "f1")]["seeds"] == 6
+
+    [one] = [r for r in vs_student_rows(tmp_path, "student_sft", ["ppo"], [1], {"q2_test": "Q2"}) if r["metric"] == "f1"]
+    assert one["p"] == "" and one["noise"] == "no test over seeds (1 seed); over tasks outside the noise (CI excludes 0)"
+    assert one["ci_low"] < one["diff"] < one["ci_high"]
 
     write("memopd_seed1", {t: student[t] for t in tasks[:-1]})  # a task missing: refused, naming the file
     with pytest.raises(ValueError, match="memopd_seed1/q2_test.csv"):

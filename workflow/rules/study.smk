@@ -20,6 +20,8 @@ STUDY_UNDECLARED = ["results/tables/benchmark_stats.csv"]
 STUDY_CSV_ONLY = {"results/tables/retrieval_recall.csv"}
 STUDY_MD = [t.removesuffix(".csv") + ".md" for t in STUDY_TABLES if t not in STUDY_CSV_ONLY]
 STUDY_FIGURES = ["results/figures/f1_vs_horizon.png", "results/figures/training_curves.png"]
+# The runs' evaluations and training metrics, small enough to commit (rule archive; docs/outputs.md "Archives").
+STUDY_ARCHIVE = ["results/archive/archive.json"]
 
 
 if STUDY:
@@ -31,12 +33,13 @@ if STUDY:
             tables=[report(f"{STUDY_DIR}/{t}", caption=caption("study"), category=REPORT_STUDY) for t in STUDY_TABLES],
             md=[f"{STUDY_DIR}/{t}" for t in STUDY_MD],
             figures=[report(f"{STUDY_DIR}/{f}", caption=caption("study"), category=REPORT_STUDY) for f in STUDY_FIGURES],
+            archive=[f"{STUDY_DIR}/{a}" for a in STUDY_ARCHIVE],
         params:
             code=f"memopd@{package_hash(Path(SRC))}",  # the nested jobs may run any command
             snakemake=f"{shlex.quote(sys.executable)} -m snakemake",
             snakefile=workflow.main_snakefile,
             configfiles=lambda w, input: " ".join(shlex.quote(os.path.abspath(f)) for f in input.configs),
-            targets=" ".join(STUDY_TABLES + STUDY_FIGURES + STUDY_UNDECLARED),
+            targets=" ".join(STUDY_TABLES + STUDY_FIGURES + STUDY_ARCHIVE + STUDY_UNDECLARED),
             dir=lambda w: STUDY_DIR,  # a lambda: the value is a path prefix the linter would flag
         log:
             f"{LOGS}/study.log",

@@ -143,3 +143,34 @@ rule training_curves:
         "{params.memopd} report curves --cfg {params.cfg:q} --seed {params.seed} --metrics {input.metrics} "
         "--figure {output.figure} --table {output.table} --reward {params.reward} --tracking {params.tracking:q} "
         "> {log} 2>&1"
+
+
+rule archive:
+    # what the result tables read (every run's evaluations and training metrics, the SFT models' evaluations), small
+    # enough to commit: `memopd report from-archive --archive results/archive --out-dir DIR` rebuilds the tables
+    input:
+        evals=expand("results/eval/{model}/{benchmark}.json", model=TRAINED + [TRAIN["student"], TRAIN["teacher"]],
+                     benchmark=list(TRAIN["horizons"])),
+        control=expand("results/eval/{model}/{benchmark}.json", model=CONTROL_RUNS, benchmark=CONTROL["benchmark"]),
+        metrics=expand("results/train/{method}/seed{seed}/metrics.jsonl", method=TRAIN["methods"], seed=TRAIN["seeds"]),
+        control_metrics=expand("results/train/{method}/seed{seed}/metrics.jsonl",
+                               method=("ppo", "memopd_persistent", "memopd"), seed=CONTROL["seeds"]),
+    output:
+        manifest="results/archive/archive.json",
+    params:
+        code=code("report archive"),
+        memopd=MEMOPD,
+        cfg=cfg_json("train"),
+        reward=config["agent"]["reward"],
+    log:
+        f"{LOGS}/archive.log",
+    benchmark:
+        f"{LOGS}/bench/archive.tsv"
+    threads: job_threads("archive")
+    resources:
+        **job_resources("archive"),
+    conda:
+        ENV_CPU
+    shell:
+        "{params.memopd} report archive --cfg {params.cfg:q} --reward {params.reward} --eval-dir results/eval "
+        "--train-dir results/train --out results/archive > {log} 2>&1"

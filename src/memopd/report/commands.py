@@ -13,38 +13,49 @@ MATCHED_KEYS = ("seeds", "student", "teacher", "benchmark", "steps", "batch_task
 def cmd_report_results(args, cfg):
     """Tables 1-2 (multiobjective, wikirag), vs_student and the F1-vs-horizon figure; every evaluation is read
     before anything is written. The matched control is its own command (report matched-control)."""
-    from memopd.report.results import (METRICS, budget_note, horizon_figure, horizon_order, load_reference,
-                                       load_scores, table_notes, table_rows, vs_student_rows)
-
     require(cfg, *RESULTS_KEYS)
+    results_tables(cfg, args.eval_dir, args.out_dir, args.figure)
+
+
+def results_tables(cfg: dict, eval_dir: str | Path, out_dir: str | Path, figure: str | Path) -> None:
+    """cmd_report_results' tables and figure from the evaluations under `eval_dir` (`cfg`: the train section)."""
+    from memopd.report.results import (FAMILY_RULE, METRICS, budget_note, horizon_figure, horizon_order,
+                                       load_reference, load_scores, table_notes, table_rows, trained_horizon,
+                                       vs_student_notes, vs_student_rows)
+    from memopd.stats import VERDICT_RULE
+
     methods, seeds = cfg["methods"], cfg["seeds"]
     horizons = horizon_order(cfg["horizons"])  # {benchmark: label}, Q2 before Q16
-    caption = (f"{{}}: mean +- std over seeds {seeds}, 95% bootstrap CI over seeds, change vs PPO in %, paired "
-               f"per-seed difference vs PPO with its 95% bootstrap CI and whether it contains 0, the paper's "
-               f"change of MemOPD vs PPO in % where it reports one; student {cfg['student']}, teacher "
-               f"{cfg['teacher']}, {cfg['steps']} steps x {cfg['batch_tasks']} tasks; EM/F1 = per-task mean over "
-               f"questions; rows {cfg['student']} and {cfg['teacher']}: the SFT student every run starts from and the "
-               f"teacher, one greedy evaluation each (change vs PPO in %; no seeds, so no std or intervals)")
+    primary = trained_horizon(cfg.get("benchmark", ""), horizons)
+    caption = (f"{{}}: mean +- std over seeds {seeds} with the 95% t interval of the mean, change vs PPO in %, the "
+               f"difference vs PPO over seeds with its 95% interval and exact p (paired t interval and sign-flip p "
+               f"over the 2^n sign patterns when both have the same seeds, else Welch's interval and the "
+               f"permutation p over the splits of the seeds), the smallest p these seeds allow, {FAMILY_RULE}; "
+               f"noise: {VERDICT_RULE}; the paper's change of MemOPD vs PPO in % where it reports one; student "
+               f"{cfg['student']}, teacher {cfg['teacher']}, {cfg['steps']} steps x {cfg['batch_tasks']} tasks; EM/F1 "
+               f"= per-task mean over questions; rows {cfg['student']} and {cfg['teacher']}: the SFT student every "
+               f"run starts from and the teacher, one greedy evaluation each (change vs PPO in %; no seeds, so no "
+               f"std, interval or test)")
     q = {b: h for b, h in horizons.items() if h != "wikirag"}
     wiki = {b: h for b, h in horizons.items() if h == "wikirag"}
-    scores = load_scores(args.eval_dir, methods, seeds, list(horizons))
-    ref = load_reference(args.eval_dir, list(dict.fromkeys([cfg["student"], cfg["teacher"]])), list(horizons))
-    multi = table_rows(scores, methods, q, METRICS["multiobjective"], ref)
-    rows = vs_student_rows(args.eval_dir, cfg["student"], methods, seeds, horizons)
-    write_table(multi, Path(args.out_dir) / "multiobjective.csv",
+    scores = load_scores(eval_dir, methods, seeds, list(horizons))
+    ref = load_reference(eval_dir, list(dict.fromkeys([cfg["student"], cfg["teacher"]])), list(horizons))
+    multi = table_rows(scores, methods, q, METRICS["multiobjective"], ref, primary)
+    rows = vs_student_rows(eval_dir, cfg["student"], methods, seeds, horizons, primary=primary)
+    write_table(multi, Path(out_dir) / "multiobjective.csv",
                 f"{caption.format('Multi-objective (Q2 train)')}; {budget_note(scores, q)}", notes=table_notes(multi))
     if wiki:
-        wrows = table_rows(scores, methods, wiki, METRICS["wikirag"], ref)
-        write_table(wrows, Path(args.out_dir) / "wikirag.csv", f"{caption.format('Wiki-RAG')}; "
+        wrows = table_rows(scores, methods, wiki, METRICS["wikirag"], ref, primary)
+        write_table(wrows, Path(out_dir) / "wikirag.csv", f"{caption.format('Wiki-RAG')}; "
                     f"{budget_note(scores, wiki)}", notes=table_notes(wrows))
-    horizon_figure([r for r in multi if r["method"] in methods], args.figure)
-    write_table(rows, Path(args.out_dir) / "vs_student.csv",
-                f"Each method against the SFT student it started from ({cfg['student']}), per task: method (mean "
-                f"over seeds {seeds}) - student, mean difference with a 95% paired bootstrap CI over tasks; "
-                f"{cfg['steps']} steps x {cfg['batch_tasks']} tasks; {budget_note(scores, horizons)}",
-                notes=[f"{r['method']} on {r['horizon']}, {r['metric']}: {r['mean']:.3f} vs the student's {r['student']:.3f}, "
-                       f"difference {r['diff']:+.3f} (95% CI {r['ci_low']:+.3f} to {r['ci_high']:+.3f}, {r['tasks']} tasks): "
-                       f"{r['noise']}" for r in rows])
+    horizon_figure([r for r in multi if r["method"] in methods], figure)
+    write_table(rows, Path(out_dir) / "vs_student.csv",
+                f"Each method against the SFT student it started from ({cfg['student']}), on the same tasks: method "
+                f"(mean over seeds {seeds}) - student, the mean difference over tasks with its 95% interval (a "
+                f"two-level bootstrap, seeds then tasks, with several seeds; BCa over tasks with one); the test over "
+                f"seeds: per seed the mean difference, its t interval (seed_ci) and exact sign-flip p, {FAMILY_RULE}; "
+                f"noise: {VERDICT_RULE}; {cfg['steps']} steps x {cfg['batch_tasks']} tasks; "
+                f"{budget_note(scores, horizons)}", notes=vs_student_notes(rows))
 
 
 def cmd_report_matched_control(args, cfg):
@@ -66,29 +77,60 @@ def cmd_report_sft(args, cfg):
 def cmd_report_curves(args, cfg):
     """results/figures/training_curves.png from every run's metrics.jsonl; logged to MLflow (a `report`
     run holding the figure) when --tracking is given."""
-    from memopd.report.curves import (curves_figure, load_runs, ordered, panel_titles, trend_caption, trend_notes,
-                                      trend_rows)
     from memopd.tracking import tracked
 
     existing(*args.metrics)
-    runs = load_runs(args.metrics)
+    runs, rows, bench = curves_table(cfg, args.metrics, args.figure, args.table, args.reward)
     first = next(iter(next(iter(runs.values())).values()))[0]
+    with tracked(args.tracking, "training-curves", {"train": cfg, "metrics": list(args.metrics)}, stage="report",
+                 model="all", seed=args.seed, tags={"method": "report", "benchmark": bench or first.get("benchmark", "")}) as run:
+        for path in (args.figure, args.table, Path(args.table).with_suffix(".md")):
+            run.log_artifact(path)
+    print_table(rows, args.table)
+
+
+def curves_table(cfg: dict, metrics: list, figure: str | Path, table: str | Path, reward: str):
+    """The training-curve figure and trend table of the runs' metrics files; returns (runs, rows, benchmark)."""
+    from memopd.report.curves import (curves_figure, load_runs, ordered, panel_titles, trend_caption, trend_notes,
+                                      trend_rows)
+
+    runs = load_runs(metrics)
     bench = cfg.get("benchmark", "")
     seeds = sorted({s for r in runs.values() for s in r})
     n_seeds = ", ".join(f"{m} ({len(runs[m])} seed{'s' if len(runs[m]) > 1 else ''})" for m in ordered(runs))
     title = (f"Training curves{' on ' + bench if bench else ''}: {n_seeds}; line = mean over seeds {seeds}, "
              "band = min-max")
-    drawn = curves_figure(runs, args.figure, title, args.reward)
+    drawn = curves_figure(runs, figure, title, reward)
     rows = trend_rows(runs)
-    write_table(rows, args.table, trend_caption(cfg, args.reward, seeds), notes=trend_notes(rows))
-    with tracked(args.tracking, "training-curves", {"train": cfg, "metrics": list(args.metrics)}, stage="report",
-                 model="all", seed=args.seed, tags={"method": "report", "benchmark": bench or first.get("benchmark", "")}) as run:
-        for path in (args.figure, args.table, Path(args.table).with_suffix(".md")):
-            run.log_artifact(path)
+    write_table(rows, table, trend_caption(cfg, reward, seeds), notes=trend_notes(rows))
     for key, per_method in drawn.items():
         print(f"{key:22s} " + "  ".join(f"{m} {c['mean'][0]:.3g} -> {c['mean'][-1]:.3g}" for m, c in per_method.items()))
-    print(f"panels: {'; '.join(panel_titles(args.reward))}\n-> {args.figure}")
-    print_table(rows, args.table)
+    print(f"panels: {'; '.join(panel_titles(reward))}\n-> {figure}")
+    return runs, rows, bench
+
+
+def cmd_report_archive(args, cfg):
+    """An archive of the runs' evaluations and training metrics (memopd.report.archive), to commit."""
+    from memopd.report.archive import git_commit, write_archive
+
+    require(cfg, *RESULTS_KEYS, "benchmark")
+    m = write_archive(cfg, args.reward, args.eval_dir, args.train_dir, args.out, git_commit(Path(__file__).parent))
+    print(f"{len(m['files'])} files, commit {m['commit']} -> {args.out}")
+
+
+def cmd_report_from_archive(args, cfg):
+    """Tables 1-2, vs_student, the F1-vs-horizon figure, the matched control and the training-curve table from an
+    archive alone (its files checked against their SHA-256 first)."""
+    from memopd.report.archive import metrics_files, read_archive
+    from memopd.report.results import matched_control_table
+
+    manifest = read_archive(args.archive)
+    train, out, eval_dir = manifest["train"], Path(args.out_dir), Path(args.archive) / "eval"
+    results_tables(train, eval_dir, out / "tables", out / "figures" / "f1_vs_horizon.png")
+    matched_control_table(train, eval_dir, out / "tables" / "matched_control.csv")
+    curves_table(train, metrics_files(args.archive, manifest), out / "figures" / "training_curves.png",
+                 out / "tables" / "training_curves.csv", manifest["reward"])
+    print(f"archive {args.archive} (commit {manifest['commit']}, {manifest['created']}) -> {out}/tables, {out}/figures")
 
 
 def register(cli) -> None:
@@ -100,6 +142,16 @@ def register(cli) -> None:
                  "memopd) on the seeds and benchmark of --cfg's matched_control")
     sp.add_argument("--eval-dir", default="results/eval", help="reads {eval-dir}/{method}_seed{seed}/{benchmark}.json")
     sp.add_argument("--out", default="results/tables/matched_control.csv", help="CSV (a Markdown table beside it)")
+    sp = cli.add("report archive", cmd_report_archive, "archive the runs' evaluations and training metrics (small, "
+                 "to commit) with the config and commit; `report from-archive` rebuilds the tables from it")
+    sp.add_argument("--eval-dir", default="results/eval")
+    sp.add_argument("--train-dir", default="results/train", help="reads {train-dir}/{method}/seed{seed}/metrics.jsonl")
+    sp.add_argument("--reward", required=True, help="the score the runs were trained on (agent.reward: em, f1)")
+    sp.add_argument("--out", default="results/archive", help="the archive's folder (archive.json: its manifest)")
+    sp = cli.add("report from-archive", cmd_report_from_archive, "Tables 1-2, vs_student, the matched control and "
+                 "the training-curve table from an archive alone (written by `report archive`)")
+    sp.add_argument("--archive", required=True, help="the archive's folder")
+    sp.add_argument("--out-dir", required=True, help="writes {out-dir}/tables/*.csv|md and {out-dir}/figures/*.png")
     sp = cli.add("report sft", cmd_report_sft, "the SFT summary table")
     sp.add_argument("--names", nargs="+", required=True)
     sp.add_argument("--heldout", nargs="+", required=True, help="results/sft/heldout_{name}.json, in --names order")

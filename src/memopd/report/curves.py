@@ -24,11 +24,15 @@ METHOD_ORDER = ("ppo", "memopd_persistent", "memopd")
 
 
 def load_runs(paths) -> dict[str, dict[int, list[dict]]]:
-    """{method: {seed: [one dict per step, in step order]}} from metrics.jsonl files (each line names
-    its method and seed)."""
+    """{method: {seed: [one dict per step, in step order]}} from metrics.jsonl files, or their gzip
+    (metrics.jsonl.gz, as archived); each line names its method and seed."""
+    import gzip
+
     runs: dict[str, dict[int, list[dict]]] = defaultdict(dict)
     for path in paths:
-        lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+        raw = Path(path).read_bytes()
+        text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode()
+        lines = [json.loads(x) for x in text.splitlines() if x.strip()]
         if not lines:
             raise ValueError(f"{path}: no training steps")
         runs[lines[0]["method"]][int(lines[0]["seed"])] = sorted(lines, key=lambda m: m["step"])

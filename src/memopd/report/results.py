@@ -1,16 +1,16 @@
 """Tables 1-2 and the matched control: evaluation scores aggregated over seeds.
 
-Per (method, horizon, metric): mean and sample std over seeds, a 95% bootstrap interval of the mean
-(resampling seeds), the change of the mean relative to PPO in %, a paired comparison with PPO (per seed:
-method - ppo; mean difference and its bootstrap interval, inside or outside the noise) and the paper's
-change where it reports one (PAPER_MEMOPD_VS_PPO), with a `Finding:` line per comparison (table_notes).
-With 5 seeds the intervals are wide: a difference inside the seed spread is no difference, and the tables
-say so by their intervals.
+Per (method, horizon, metric): mean and sample std over seeds, the t interval of the mean, the change of the
+mean relative to PPO in %, a comparison with PPO over seeds (memopd.stats.compare_seeds: paired t interval and
+exact sign-flip p when both have the same seeds, else Welch's interval and the exact permutation p) and the
+paper's change where it reports one (PAPER_MEMOPD_VS_PPO), with a `Finding:` line per comparison (table_notes).
+A table's primary comparisons are F1 on the trained horizon; every other comparison it makes is secondary and
+judged by its Holm-adjusted p (`mark_family`). Verdict words: memopd.stats.noise_verdict.
 
 The matched control (`matched_control_table`) is its own experiment: `ppo`, `memopd_persistent` and
 `memopd` on the seeds of `train.matched_control` (runs `{method}_seed{seed}`), evaluated on one
-benchmark, with the paper's two increments (persistent teacher vs PPO; state alignment on top of it)
-and their paired bootstrap intervals over seeds. The intervals are memopd.stats'.
+benchmark, with the paper's two increments (persistent teacher vs PPO; state alignment on top of it),
+each tested over seeds in the same way.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import textwrap
 from pathlib import Path
 
 from memopd.report.tables import LABEL_VAR
-from memopd.stats import NAN, bootstrap_ci, paired_bootstrap, relative_change_pct
+from memopd.stats import (NAN, VERDICT_RULE, SeedTest, compare_seeds, holm, noise_verdict, one_sample_test, paired_bca,
+                          relative_change_pct, t_interval, two_level_bootstrap)
 
 METRICS = {
     "multiobjective": ["em", "f1", "invalid_action_rate", "calls_per_episode", "peak_context_tokens",
@@ -46,8 +47,13 @@ PAPER_MEMOPD_VS_PPO = {
     ("wikirag", "em"): 6.1, ("wikirag", "f1"): 7.4, ("wikirag", "dependency"): -31.6,
     ("wikirag", "inference_time_s"): -28.5,
 }
+PRIMARY_METRIC = "f1"  # a table's primary comparisons: this metric on the trained horizon; the rest are secondary
+FAMILY_RULE = (f"{PRIMARY_METRIC.upper()} on the trained horizon is primary, every other comparison's p is "
+               f"Holm-adjusted over the table's secondary comparisons")
+# The comparison columns every table of seed-level tests shares (fill_test, mark_family)
+TEST_COLUMNS = ["p", "p_min", "p_holm", "comparisons", "role", "test"]
 COLUMNS = ["method", "horizon", "metric", "mean", "std", "ci_low", "ci_high", "rel_to_ppo_pct", "seeds",
-           "paired_diff_vs_ppo", "paired_ci_low", "paired_ci_high", "paper_rel_to_ppo_pct", "noise"]
+           "diff_vs_ppo", "diff_ci_low", "diff_ci_high", *TEST_COLUMNS, "paper_rel_to_ppo_pct", "noise"]
 
 
 def load_scores(eval_dir: str | Path, methods: list[str], seeds: list[int], benchmarks: list[str]) -> dict:
@@ -107,62 +113,97 @@ def budget_note(scores: dict, horizons: dict[str, str]) -> str:
     return "response budget (new tokens per call) " + ", ".join(f"{h} {t}" for h, t in text.items())
 
 
+def trained_horizon(train_benchmark: str, horizons: dict[str, str]) -> str | None:
+    """The label of the horizon trained on: the benchmark of `horizons` named like `train_benchmark` before its
+    split (q2_train -> the label of q2_test); None when no horizon is."""
+    stem = train_benchmark.split("_")[0]
+    return next((label for bench, label in horizons.items() if bench.split("_")[0] == stem), None)
+
+
+def fill_test(row: dict, t: SeedTest, primary: bool) -> dict:
+    """`row` with the test's p, smallest p, test name and role; p_holm / comparisons / noise come from mark_family."""
+    return {**row, "p": t.p, "p_min": t.p_min, "test": t.test, "role": "primary" if primary else "secondary"}
+
+
+def mark_family(rows: list[dict], ci: tuple[str, str]) -> list[dict]:
+    """Over the tested rows of one table (a finite or NaN `p`): `comparisons` = how many, `p_holm` = p for the
+    primary ones and Holm-adjusted over the secondary ones, `noise` = noise_verdict(interval `ci` columns, p_holm)."""
+    tested = [r for r in rows if isinstance(r.get("p"), float)]
+    secondary = [r for r in tested if r["role"] == "secondary"]
+    for r, adj in zip(secondary, holm([r["p"] for r in secondary])):
+        r["p_holm"] = adj
+    for r in tested:
+        if r["role"] == "primary":
+            r["p_holm"] = r["p"]
+        r["comparisons"] = len(tested)
+        r["noise"] = noise_verdict(r[ci[0]], r[ci[1]], r["p_holm"])
+    return rows
+
+
 def table_rows(scores: dict, methods: list[str], horizons: dict[str, str], metrics: list[str],
-               reference: dict | None = None) -> list[dict]:
-    """horizons: {benchmark file name: horizon label}, e.g. {"q2_test": "Q2"}. reference: load_reference's
-    {(model, benchmark): eval json}; each of its models gets a row above the methods' (its value and its change
-    vs PPO in %; one evaluation, so the seed columns are blank)."""
+               reference: dict | None = None, primary: str | None = None) -> list[dict]:
+    """horizons: {benchmark file name: horizon label}, e.g. {"q2_test": "Q2"}; primary: the trained horizon's label
+    (its F1 comparisons are the table's primary ones). reference: load_reference's {(model, benchmark): eval json};
+    each of its models gets a row above the methods' (its value and its change vs PPO in %; one evaluation, so
+    the seed columns are blank)."""
     rows = []
     for bench, horizon in horizons.items():
         for metric in metrics:
-            ppo = scores.get(("ppo", bench), {})
-            ppo_mean = statistics.fmean(r[metric] for r in ppo.values()) if ppo else float("nan")
+            ppo = {s: r[metric] for s, r in scores.get(("ppo", bench), {}).items()}
+            ppo_mean = statistics.fmean(ppo.values()) if ppo else NAN
             for (model, b), result in (reference or {}).items():
                 if b == bench:
                     rows.append({**dict.fromkeys(COLUMNS, ""), "method": model, "horizon": horizon, "metric": metric,
                                  "mean": result[metric], "paper_rel_to_ppo_pct": NAN,
                                  "rel_to_ppo_pct": relative_change_pct(ppo_mean, result[metric]) if ppo else NAN})
             for m in methods:
-                per_seed = scores[(m, bench)]
-                vals = [per_seed[s][metric] for s in sorted(per_seed)]
+                per_seed = {s: r[metric] for s, r in scores[(m, bench)].items()}
+                vals = [per_seed[s] for s in sorted(per_seed)]
                 mean = statistics.fmean(vals)
-                lo, hi = bootstrap_ci(vals)
-                diffs = [per_seed[s][metric] - ppo[s][metric] for s in sorted(per_seed) if s in ppo]
-                dlo, dhi = bootstrap_ci(diffs) if diffs else (float("nan"), float("nan"))
-                paper = PAPER_MEMOPD_VS_PPO.get((horizon, metric), NAN) if m == "memopd" else NAN
-                rows.append({
-                    "method": m, "horizon": horizon, "metric": metric, "mean": mean,
-                    "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "ci_low": lo, "ci_high": hi,
-                    "rel_to_ppo_pct": relative_change_pct(ppo_mean, mean) if ppo else NAN,
-                    "seeds": len(vals),
-                    "paired_diff_vs_ppo": statistics.fmean(diffs) if diffs else NAN,
-                    "paired_ci_low": dlo, "paired_ci_high": dhi, "paper_rel_to_ppo_pct": paper,
-                    "noise": "" if m == "ppo" or not diffs else _noise((dlo, dhi), len(diffs)),
-                })
-    return rows
+                lo, hi = t_interval(vals)
+                row = {**dict.fromkeys(COLUMNS, ""), "method": m, "horizon": horizon, "metric": metric, "mean": mean,
+                       "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "ci_low": lo, "ci_high": hi,
+                       "rel_to_ppo_pct": relative_change_pct(ppo_mean, mean) if ppo else NAN, "seeds": len(vals),
+                       "paper_rel_to_ppo_pct": PAPER_MEMOPD_VS_PPO.get((horizon, metric), NAN) if m == "memopd" else NAN}
+                if m != "ppo" and ppo:
+                    t = compare_seeds(ppo, per_seed)
+                    row = fill_test({**row, "diff_vs_ppo": t.diff, "diff_ci_low": t.ci_low, "diff_ci_high": t.ci_high},
+                                    t, (horizon, metric) == (primary, PRIMARY_METRIC))
+                rows.append(row)
+    return mark_family(rows, ("diff_ci_low", "diff_ci_high"))
+
+
+def test_words(r: dict) -> str:
+    """A Finding line's statistics: the interval (with its test), the exact p, the smallest p these seeds allow,
+    and for a secondary comparison its Holm-adjusted p over the table's comparisons."""
+    if math.isnan(r["p"]):
+        return f"no test; {_seeds(r['seeds'])}"
+    kind = "Welch" if r["test"].startswith("Welch") else "paired t"
+    holm_p = (f"Holm-adjusted p {r['p_holm']:.4f} (secondary)" if r["role"] == "secondary"
+              else "primary, not adjusted")
+    return (f"{kind} 95% CI {r['diff_ci_low']:+.4f} to {r['diff_ci_high']:+.4f}; exact p {r['p']:.4f} "
+            f"(smallest possible {r['p_min']:.4f}); {holm_p}; {_plural(r['comparisons'], 'comparison')} in the table; "
+            f"{_seeds(r['seeds'])}")
 
 
 def table_notes(rows: list[dict], metrics: tuple[str, ...] = ("em", "f1")) -> list[str]:
     """One `Finding:` line per method other than PPO, horizon and metric of `metrics` (and every metric the
-    paper reports a change for): ours vs PPO with the paired interval over seeds, the paper's, the verdict."""
+    paper reports a change for): ours vs PPO with the test over seeds, the paper's, the verdict."""
     notes = []
     for r in rows:
         paper = r["paper_rel_to_ppo_pct"]
-        if r["method"] == "ppo" or not r["noise"] or (r["metric"] not in metrics and math.isnan(paper)):
+        if r["method"] == "ppo" or r["p"] == "" or (r["metric"] not in metrics and math.isnan(paper)):
             continue
-        ci = ("no interval" if r["seeds"] < 2 or math.isnan(r["paired_ci_low"]) else
-              f"paired 95% CI of the per-seed difference {r['paired_ci_low']:+.4f} to {r['paired_ci_high']:+.4f}")
         ours = "undefined (PPO mean 0)" if math.isnan(r["rel_to_ppo_pct"]) else f"{r['rel_to_ppo_pct']:+.1f}%"
         theirs = "no paper figure" if math.isnan(paper) else f"paper {paper:+.1f}%"
-        notes.append(f"Finding ({r['method']} vs ppo, {r['horizon']}, {r['metric']}): {ours} (per-seed difference "
-                     f"{r['paired_diff_vs_ppo']:+.4f}; {ci}; {_seeds(r['seeds'])}); "
-                     f"{theirs}; "
-                     f"{verdict(r['noise'], r['paired_diff_vs_ppo'], paper)}.")
+        notes.append(f"Finding ({r['method']} vs ppo, {r['horizon']}, {r['metric']}): {ours} (difference "
+                     f"{r['diff_vs_ppo']:+.4f}; {test_words(r)}); {theirs}; "
+                     f"{verdict(r['noise'], r['diff_vs_ppo'], paper)}.")
     return notes
 
 
 def horizon_figure(rows: list[dict], path: str | Path, metric: str = "f1") -> None:
-    """F1 vs horizon per method, with the 95% bootstrap intervals over seeds."""
+    """F1 vs horizon per method, with the 95% t intervals of the mean over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,7 +220,7 @@ def horizon_figure(rows: list[dict], path: str | Path, metric: str = "f1") -> No
         ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=m)
     ax.set_xticks(range(len(horizons)), horizons)
     ax.set_xlabel("horizon (questions per task)")
-    ax.set_ylabel(f"{metric.upper()} (mean over seeds, 95% bootstrap CI)")
+    ax.set_ylabel(f"{metric.upper()} (mean over seeds, 95% t interval)")
     ax.legend()
     title = figure_title(f"{metric.upper()} by horizon", 60)
     ax.set_title(title, fontsize=9)
@@ -190,44 +231,43 @@ def horizon_figure(rows: list[dict], path: str | Path, metric: str = "f1") -> No
 
 
 def noise_label(lo: float, hi: float) -> str:
+    """The verdict of an interval over many tasks (no test over seeds)."""
     return "inside the noise (CI contains 0)" if lo <= 0 <= hi else "outside the noise (CI excludes 0)"
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
 def _seeds(n: int) -> str:
-    return f"{n} seed{'s' if n != 1 else ''}"
-
-
-def _noise(diff_ci: tuple[float, float], seeds: int) -> str:
-    if seeds < 2 or math.isnan(diff_ci[0]):
-        return "no interval (1 seed)"
-    return noise_label(*diff_ci)
+    return _plural(n, "seed")
 
 
 def verdict(noise: str, diff: float, paper: float) -> str:
-    """The verdict of a comparison from its noise label, its mean difference and the paper's change (NaN: none)."""
+    """The verdict of a comparison from its noise words (noise_verdict), its difference and the paper's change
+    (NaN: none)."""
     if noise.startswith("inside"):
-        return "inside the noise: the interval contains 0, so these seeds do not tell it from no difference"
-    if noise.startswith("outside"):
+        return "inside the noise: these seeds do not tell it from no difference"
+    if noise.startswith(("outside", "suggestive")):
+        words = noise if noise.startswith("outside") else "suggestive only (not outside the noise)"
         if math.isnan(paper):
-            return "outside the noise"
-        same = (diff > 0) == (paper > 0)
-        return f"outside the noise, {'the same' if same else 'the opposite'} direction as the paper"
-    return "one seed: no interval, so no claim either way"
+            return words
+        return f"{words}, {'the same' if (diff > 0) == (paper > 0) else 'the opposite'} direction as the paper"
+    return "one seed: no test, so no claim either way"
 
 
 def paired_over_tasks(base: dict[str, float], other: dict[str, float]) -> dict:
     """`other` minus `base`, task by task ({task_id: score} each, the same tasks): the mean difference, its 95%
-    bootstrap interval resampling tasks (pairs kept together), the number of tasks and the noise label."""
+    BCa bootstrap interval resampling tasks (pairs kept together), the number of tasks and the noise label."""
     if set(base) != set(other):
         raise ValueError(f"evaluated on other tasks ({len(other)} vs {len(base)}): evaluate both on the same tasks")
     ids = sorted(base)
-    pb = paired_bootstrap([base[t] for t in ids], [other[t] for t in ids])
-    lo, hi = pb["diff_ci"]
-    return {"diff": pb["diff"], "ci_low": lo, "ci_high": hi, "tasks": len(ids), "noise": noise_label(lo, hi)}
+    diff, lo, hi = paired_bca([base[t] for t in ids], [other[t] for t in ids])
+    return {"diff": diff, "ci_low": lo, "ci_high": hi, "tasks": len(ids), "noise": noise_label(lo, hi)}
 
 
 VS_STUDENT_COLUMNS = ["method", "horizon", "metric", "student", "mean", "diff", "ci_low", "ci_high", "tasks", "seeds",
-                      "noise"]
+                      "seed_ci_low", "seed_ci_high", *TEST_COLUMNS, "noise"]
 
 
 def task_scores(path: str | Path, metric: str) -> dict[str, float]:
@@ -242,41 +282,67 @@ def task_scores(path: str | Path, metric: str) -> dict[str, float]:
 
 
 def vs_student_rows(eval_dir: str | Path, student: str, methods: list[str], seeds: list[int],
-                    horizons: dict[str, str], metrics: tuple[str, ...] = ("em", "f1")) -> list[dict]:
-    """Each trained method against the SFT student it started from, task by task: per task the method's score
-    (mean over seeds) minus the student's (greedy, one evaluation), the mean difference and its 95% bootstrap
-    interval resampling tasks (pairs kept together: the same task for both), and whether it excludes 0.
-    The interval is over tasks, so it is the evaluation's noise at these seeds, not the seed-to-seed spread."""
+                    horizons: dict[str, str], metrics: tuple[str, ...] = ("em", "f1"),
+                    primary: str | None = None) -> list[dict]:
+    """Each trained method against the SFT student it started from (greedy, one evaluation), on the same tasks.
+
+    diff: the method's per-task score (mean over seeds) minus the student's, averaged over tasks; ci_low/ci_high:
+    its 95% interval, a two-level bootstrap (seeds, then tasks) with several seeds, BCa over tasks with one.
+    The test is over seeds: per seed the mean difference over tasks, its t interval (seed_ci_*) and exact sign-flip
+    p; the verdict is noise_verdict over that (Holm-adjusted for the secondary rows: all but F1 on `primary`).
+    With one seed there is no test over seeds: the verdict is the task interval's, and says so."""
     rows = []
     for bench, horizon in horizons.items():
         for metric in metrics:
             base = task_scores(Path(eval_dir) / student / f"{bench}.csv", metric)
+            ids = sorted(base)
             for m in methods:
                 per_seed = [task_scores(Path(eval_dir) / f"{m}_seed{s}" / f"{bench}.csv", metric) for s in seeds]
                 for s, scores in zip(seeds, per_seed):
                     if set(scores) != set(base):
                         raise ValueError(f"{eval_dir}/{m}_seed{s}/{bench}.csv: tasks differ from the student's "
                                          f"({len(scores)} vs {len(base)}): evaluate both on the same tasks")
-                other = {t: statistics.fmean(sc[t] for sc in per_seed) for t in base}
-                pt = paired_over_tasks(base, other)
-                rows.append({"method": m, "horizon": horizon, "metric": metric,
-                             "student": statistics.fmean(base.values()), "mean": statistics.fmean(other.values()),
-                             "diff": pt["diff"], "ci_low": pt["ci_low"], "ci_high": pt["ci_high"],
-                             "tasks": pt["tasks"], "seeds": len(seeds), "noise": pt["noise"]})
-    return rows
+                b, o = [base[t] for t in ids], [[sc[t] for t in ids] for sc in per_seed]
+                diff, lo, hi = two_level_bootstrap(b, o) if len(seeds) > 1 else paired_bca(b, o[0])
+                row = {**dict.fromkeys(VS_STUDENT_COLUMNS, ""), "method": m, "horizon": horizon, "metric": metric,
+                       "student": statistics.fmean(b), "mean": statistics.fmean(statistics.fmean(x) for x in o),
+                       "diff": diff, "ci_low": lo, "ci_high": hi, "tasks": len(ids), "seeds": len(seeds)}
+                if len(seeds) > 1:
+                    t = one_sample_test([statistics.fmean(x) - row["student"] for x in o])
+                    row = fill_test({**row, "seed_ci_low": t.ci_low, "seed_ci_high": t.ci_high}, t,
+                                    (horizon, metric) == (primary, PRIMARY_METRIC))
+                else:
+                    row["noise"] = f"no test over seeds (1 seed); over tasks {noise_label(lo, hi)}"
+                rows.append(row)
+    return mark_family(rows, ("seed_ci_low", "seed_ci_high"))
 
 
-MATCHED_COLUMNS = ["row", "metric", "mean", "std", "ci_low", "ci_high", "seeds", "change_pct", "change_ci_low",
-                   "change_ci_high", "paired_diff", "paired_ci_low", "paired_ci_high", "paper_change_pct", "noise"]
+def vs_student_notes(rows: list[dict]) -> list[str]:
+    """One line per row: the method against the student, its interval, the test over seeds and the verdict."""
+    out = []
+    for r in rows:
+        test = (f"; over seeds: t 95% CI {r['seed_ci_low']:+.3f} to {r['seed_ci_high']:+.3f}, exact p {r['p']:.4f} "
+                f"(smallest possible {r['p_min']:.4f}"
+                + (f", Holm-adjusted {r['p_holm']:.4f}" if r["role"] == "secondary" else ", primary")
+                + f", {_plural(r['comparisons'], 'comparison')})" if r["p"] != "" else "")
+        kind = "seeds and tasks" if r["seeds"] > 1 else "tasks, BCa"
+        out.append(f"{r['method']} on {r['horizon']}, {r['metric']}: {r['mean']:.3f} vs the student's "
+                   f"{r['student']:.3f}, difference {r['diff']:+.3f} (95% CI over {kind} {r['ci_low']:+.3f} to "
+                   f"{r['ci_high']:+.3f}, {r['tasks']} tasks, {_seeds(r['seeds'])}){test}: {r['noise']}")
+    return out
+
+
+MATCHED_COLUMNS = ["row", "metric", "mean", "std", "ci_low", "ci_high", "seeds", "change_pct", "diff", "diff_ci_low",
+                   "diff_ci_high", *TEST_COLUMNS, "paper_change_pct", "noise"]
 
 
 def matched_control_rows(scores: dict, benchmark: str, metrics: list[str] | None = None) -> list[dict]:
     """The matched-control table from load_scores(..., MATCHED_METHODS, seeds, [benchmark]).
 
-    Per metric: one row per method (mean, sample std and 95% bootstrap interval over seeds), then one row
-    per increment of INCREMENTS ("memopd_persistent vs ppo", "memopd vs memopd_persistent"): the change of
-    the mean in % with its paired bootstrap interval over seeds, the mean per-seed difference with its
-    interval, the paper's change in %, and whether the interval contains 0. Cells that do not apply are ""."""
+    Per metric: one row per method (mean, sample std and t interval over seeds), then one row per increment of
+    INCREMENTS ("memopd_persistent vs ppo", "memopd vs memopd_persistent"): the change of the mean in %, the mean
+    per-seed difference with its paired t interval and exact sign-flip p, the paper's change in %, and the
+    verdict (F1 primary; the other metrics Holm-adjusted). Cells that do not apply are ""."""
     metrics = metrics or METRICS["matched_control"]
     per = {m: scores[(m, benchmark)] for m in MATCHED_METHODS}
     seeds = sorted(per["ppo"])
@@ -286,19 +352,21 @@ def matched_control_rows(scores: dict, benchmark: str, metrics: list[str] | None
     blank = dict.fromkeys(MATCHED_COLUMNS, "")
     rows = []
     for metric in metrics:
-        vals = {m: [float(per[m][s][metric]) for s in seeds] for m in MATCHED_METHODS}
+        vals = {m: {s: float(per[m][s][metric]) for s in seeds} for m in MATCHED_METHODS}
         for m in MATCHED_METHODS:
-            lo, hi = bootstrap_ci(vals[m])
-            rows.append({**blank, "row": m, "metric": metric, "mean": statistics.fmean(vals[m]),
-                         "std": statistics.stdev(vals[m]) if len(seeds) > 1 else 0.0, "ci_low": lo, "ci_high": hi,
+            v = list(vals[m].values())
+            lo, hi = t_interval(v)
+            rows.append({**blank, "row": m, "metric": metric, "mean": statistics.fmean(v),
+                         "std": statistics.stdev(v) if len(seeds) > 1 else 0.0, "ci_low": lo, "ci_high": hi,
                          "seeds": len(seeds)})
         for other, base, _, paper in INCREMENTS:
-            pb = paired_bootstrap(vals[base], vals[other])
-            rows.append({**blank, "row": f"{other} vs {base}", "metric": metric, "seeds": len(seeds),
-                         "change_pct": pb["rel_pct"], "change_ci_low": pb["rel_ci"][0], "change_ci_high": pb["rel_ci"][1],
-                         "paired_diff": pb["diff"], "paired_ci_low": pb["diff_ci"][0], "paired_ci_high": pb["diff_ci"][1],
-                         "paper_change_pct": paper.get(metric, float("nan")), "noise": _noise(pb["diff_ci"], len(seeds))})
-    return rows
+            t = compare_seeds(vals[base], vals[other])
+            rows.append(fill_test({**blank, "row": f"{other} vs {base}", "metric": metric, "seeds": len(seeds),
+                                   "change_pct": relative_change_pct(statistics.fmean(vals[base].values()),
+                                                                     statistics.fmean(vals[other].values())),
+                                   "diff": t.diff, "diff_ci_low": t.ci_low, "diff_ci_high": t.ci_high,
+                                   "paper_change_pct": paper.get(metric, NAN)}, t, metric == PRIMARY_METRIC))
+    return mark_family(rows, ("diff_ci_low", "diff_ci_high"))
 
 
 def _signed(v: float, unit: str = "%") -> str:
@@ -306,19 +374,15 @@ def _signed(v: float, unit: str = "%") -> str:
 
 
 def matched_control_notes(rows: list[dict]) -> list[str]:
-    """One `Finding:` line per increment and metric: ours (interval), the paper's, the noise verdict."""
+    """One `Finding:` line per increment and metric: ours (the test over seeds), the paper's, the verdict."""
     notes = []
     for other, base, label, _ in INCREMENTS:
         for r in (r for r in rows if r["row"] == f"{other} vs {base}"):
-            m = r["metric"].upper()
-            ci = ("no interval" if math.isnan(r["paired_ci_low"]) else
-                  f"paired 95% CI of the change {_signed(r['change_ci_low'])} to {_signed(r['change_ci_high'])}"
-                  if not math.isnan(r["change_ci_low"]) else
-                  f"paired 95% CI of the per-seed difference {r['paired_ci_low']:+.4f} to {r['paired_ci_high']:+.4f}")
-            notes.append(f"Finding ({label}, {other} vs {base}, {m}): {_signed(r['change_pct'])} "
-                         f"(per-seed difference {r['paired_diff']:+.4f}; {ci}; {_seeds(r['seeds'])}); "
+            notes.append(f"Finding ({label}, {other} vs {base}, {r['metric'].upper()}): {_signed(r['change_pct'])} "
+                         f"(per-seed difference {r['diff']:+.4f}; "
+                         f"{test_words(r)}); "
                          f"paper {r['paper_change_pct']:+.1f}%; "
-                         f"{verdict(r['noise'], r['paired_diff'], r['paper_change_pct'])}.")
+                         f"{verdict(r['noise'], r['diff'], r['paper_change_pct'])}.")
     return notes
 
 
@@ -333,11 +397,12 @@ def matched_control_caption(cfg: dict, seeds: list[int], benchmark: str, scores:
             f"else identical; seeds {list(seeds)}; runs results/train/{{method}}/seed{{seed}}/ exported as models "
             f"{', '.join(models)}; evaluations results/eval/{{model}}/{benchmark}.json{tasks}. Student "
             f"{cfg['student']}, teacher {cfg['teacher']}, trained on {cfg['benchmark']} for {cfg['steps']} steps x "
-            f"{cfg['batch_tasks']} tasks. Method rows: mean +- std over seeds and 95% bootstrap CI; increment rows "
+            f"{cfg['batch_tasks']} tasks. Method rows: mean +- std over seeds and 95% t interval; increment rows "
             f"(`memopd_persistent vs ppo` = persistent teacher, `memopd vs memopd_persistent` = alignment on top): "
-            f"change of the mean in % with its paired bootstrap CI over seeds, mean per-seed difference with its "
-            f"CI, and the paper's change (persistent teacher +5.6% F1 / +4.4% EM over PPO; alignment a further "
-            f"+7.0% F1 / +10.0% EM); EM/F1 = per-task mean over questions")
+            f"change of the mean in %, mean per-seed difference with its 95% paired t interval and exact sign-flip "
+            f"p over seeds ({VERDICT_RULE}; F1 primary, EM Holm-adjusted), and the paper's change (persistent "
+            f"teacher +5.6% F1 / +4.4% EM over PPO; alignment a further +7.0% F1 / +10.0% EM); EM/F1 = per-task "
+            f"mean over questions")
 
 
 def matched_control_config(cfg: dict) -> tuple[list[int], str]:

@@ -1,6 +1,6 @@
 """The SFT summary table (results/tables/sft_summary.csv): one row per model (student_init, student_sft,
 teacher_sft), and each model's F1 and EM against a reference model (the SFT student) task by task: the mean
-difference with a 95% paired bootstrap interval over tasks (the per-task CSV beside each evaluation's JSON),
+difference with a 95% paired BCa bootstrap interval over tasks (the per-task CSV beside each evaluation's JSON),
 and whether it excludes 0: is the teacher measurably better than the student, does SFT beat zero-shot."""
 from __future__ import annotations
 
@@ -53,4 +53,4 @@ def write_summary(rows: list[dict], notes: list[str], first_eval: str, reference
     write_table(rows, out, f"SFT summary: held-out target loss on the held-out turn examples; EM/F1, "
                 f"invalid-action rate, calls per episode, answered rate and the copy probe on {bench} "
                 f"({n} tasks, greedy); *_vs_ref: the model minus {reference}, task by task, with a 95% paired "
-                f"bootstrap interval over tasks", notes=notes)
+                f"BCa bootstrap interval over tasks", notes=notes)

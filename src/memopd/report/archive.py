@@ -1,0 +1,131 @@
+"""A small archive of a finished set of training runs, to commit: every evaluation the result tables read
+(scalar scores and per-task EM/F1) and every run's per-step training metrics, with the config and commit they
+came from. Tables 1-2, vs_student, the matched control and the training-curve table rebuild from it alone
+(`memopd report from-archive`), without rerunning anything.
+
+Layout (the results/ layout, so the report commands read it unchanged):
+    archive.json                                  manifest: format, commit, created, the `train` config, the reward,
+                                                  every file with its SHA-256
+    eval/{model}/{benchmark}.json                 the evaluation's scalar scores (its nested config and timings left out)
+    eval/{model}/{benchmark}.csv                  per task: task_id, em, f1
+    train/{method}/seed{seed}/metrics.jsonl.gz    every logged step, line for line (gzip without a timestamp)
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import gzip
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+from memopd.report.tables import write_json
+
+FORMAT = 1
+MANIFEST = "archive.json"
+TASK_COLUMNS = ("task_id", "em", "f1")
+MATCHED = ("ppo", "memopd_persistent", "memopd")  # as memopd.report.results.MATCHED_METHODS (not imported: light)
+
+
+def contents(train: dict) -> tuple[list[tuple[str, str]], list[tuple[str, int]]]:
+    """What the result tables of the `train` config section read: ([(model, benchmark)], [(method, seed)]):
+    every run on every horizon, the SFT student and teacher on every horizon, the matched control's runs on its
+    benchmark; the training metrics of every run of train.methods x train.seeds and of the matched control."""
+    horizons = list(train["horizons"])
+    mc = train.get("matched_control") or {}
+    mc_seeds, mc_bench = mc.get("seeds", train["seeds"]), mc.get("benchmark", "q2_test")
+    runs = [(m, s) for m in train["methods"] for s in train["seeds"]]
+    runs += [(m, s) for m in MATCHED for s in mc_seeds if (m, s) not in runs]
+    evals = [(f"{m}_seed{s}", b) for m, s in runs[:len(train["methods"]) * len(train["seeds"])] for b in horizons]
+    evals += [(model, b) for model in dict.fromkeys([train["student"], train["teacher"]]) for b in horizons]
+    evals += [(f"{m}_seed{s}", mc_bench) for m in MATCHED for s in mc_seeds]
+    return list(dict.fromkeys(evals)), runs
+
+
+def git_commit(path: Path) -> str:
+    """The commit of the checkout holding `path`, with '+changes' when its tracked files differ; 'unknown'
+    outside a git checkout."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True, timeout=30)
+
+    head = git("rev-parse", "HEAD")
+    if head.returncode != 0:
+        return "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip() + ("+changes" if dirty else "")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _scalars(ev: dict) -> dict:
+    return {k: v for k, v in ev.items() if isinstance(v, (int, float, str, bool)) or v is None}
+
+
+def _copy_tasks(src: Path, dst: Path) -> None:
+    with open(src, newline="") as f:
+        rows = list(csv.DictReader(f))
+    missing = [c for c in TASK_COLUMNS if rows and c not in rows[0]]
+    if missing:
+        raise ValueError(f"{src}: no column {missing[0]!r}")
+    with open(dst, "w", newline="") as f:
+        w = csv.DictWriter(f, TASK_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_archive(train: dict, reward: str, eval_dir: str | Path, train_dir: str | Path, out: str | Path,
+                  commit: str) -> dict:
+    """Copy what `contents(train)` names from `eval_dir` / `train_dir` into `out` and write its manifest (last,
+    so an interrupted archive has none). A missing file is named before anything is written."""
+    eval_dir, train_dir, out = Path(eval_dir), Path(train_dir), Path(out)
+    evals, runs = contents(train)
+    sources = [eval_dir / m / f"{b}{ext}" for m, b in evals for ext in (".json", ".csv")]
+    sources += [train_dir / m / f"seed{s}" / "metrics.jsonl" for m, s in runs]
+    missing = [str(p) for p in sources if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"cannot archive: {len(missing)} missing, e.g. {missing[0]}")
+    (out / MANIFEST).unlink(missing_ok=True)
+    for model, bench in evals:
+        d = out / "eval" / model
+        d.mkdir(parents=True, exist_ok=True)
+        ev = json.loads((eval_dir / model / f"{bench}.json").read_text())
+        (d / f"{bench}.json").write_text(json.dumps(_scalars(ev), indent=2, sort_keys=True) + "\n")
+        _copy_tasks(eval_dir / model / f"{bench}.csv", d / f"{bench}.csv")
+    for method, seed in runs:
+        d = out / "train" / method / f"seed{seed}"
+        d.mkdir(parents=True, exist_ok=True)
+        with gzip.GzipFile(d / "metrics.jsonl.gz", "wb", mtime=0) as f:  # no timestamp: the same runs, the same bytes
+            f.write((train_dir / method / f"seed{seed}" / "metrics.jsonl").read_bytes())
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
+    manifest = {"format": FORMAT, "commit": commit, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"), "train": train, "reward": reward,
+                "files": {str(p.relative_to(out)): _sha256(p) for p in files}}
+    write_json(out / MANIFEST, manifest)
+    return manifest
+
+
+def read_archive(path: str | Path) -> dict:
+    """The manifest of the archive at `path`, after checking that every file it lists is there with its SHA-256
+    (a missing or changed file is named)."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        raise FileNotFoundError(f"no such file: {path / MANIFEST} (not an archive, or an interrupted one)")
+    manifest = json.loads((path / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path / MANIFEST}: format {manifest.get('format')!r}, this code reads {FORMAT}")
+    for name, digest in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise FileNotFoundError(f"{path}: {name} is listed in {MANIFEST} but missing")
+        if _sha256(f) != digest:
+            raise ValueError(f"{path}: {name} differs from the SHA-256 in {MANIFEST}")
+    return manifest
+
+
+def metrics_files(path: str | Path, manifest: dict) -> list[Path]:
+    """The archived metrics of the runs the training-curve table reads (train.methods x train.seeds)."""
+    train = manifest["train"]
+    return [Path(path) / "train" / m / f"seed{s}" / "metrics.jsonl.gz" for m in train["methods"] for s in train["seeds"]]

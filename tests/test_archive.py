@@ -1,0 +1,117 @@
+"""The runs' archive (memopd report archive / from-archive): the tables rebuilt from it alone are the tables
+built from the runs' own results, byte for byte; a missing or changed file is named."""
+import csv
+import json
+import random
+import shutil
+
+import pytest
+
+from memopd.cli import main
+from memopd.report.archive import MANIFEST, contents, read_archive
+
+TRAIN = {"student": "student_sft", "teacher": "teacher_sft", "methods": ["ppo", "memopd", "memopd_persistent"],
+         "seeds": [0, 1, 2, 3, 4, 5], "benchmark": "q2_train", "horizons": {"q2_test": "Q2", "wikirag_test": "wikirag"},
+         "matched_control": {"seeds": [0, 1, 2, 3, 4, 5], "benchmark": "q2_test"}, "steps": 12, "batch_tasks": 4}
+LEVEL = {"ppo": 0.10, "memopd": 0.14, "memopd_persistent": 0.05, "student_sft": 0.12, "teacher_sft": 0.2}
+
+
+def _results(root, train=TRAIN):
+    """Evaluations (scores, per-task CSV) and training metrics of every run, made of seeded noise per model."""
+    rng = random.Random(1)
+    evals, runs = contents(train)
+    for model, bench in evals:
+        d = root / "eval" / model
+        d.mkdir(parents=True, exist_ok=True)
+        level = LEVEL[model.split("_seed")[0]]
+        tasks = [{"task_id": f"t{i}", "reward": 0.0, "em": float(rng.random() < level), "f1": rng.random() * 2 * level,
+                  "calls": 3} for i in range(30)]
+        with open(d / f"{bench}.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, list(tasks[0]))
+            w.writeheader()
+            w.writerows(tasks)
+        scores = {k: sum(t[k] for t in tasks) / 30 for k in ("em", "f1")}
+        (d / f"{bench}.json").write_text(json.dumps({
+            **scores, "episodes": 30, "invalid_action_rate": rng.random() * 0.1, "calls_per_episode": 3 - rng.random(),
+            "peak_context_tokens": 300 + rng.random(), "inference_time_s": rng.random(), "dependency": rng.random(),
+            "max_new_tokens": 64, "config": {"agent": {"rule": "summary_replacement"}}, "throughput": {"calls": 90}}))
+    for method, seed in runs:
+        d = root / "train" / method / f"seed{seed}"
+        d.mkdir(parents=True, exist_ok=True)
+        steps = [{"method": method, "seed": seed, "step": i, "reward/task": LEVEL[method] + i * 0.01 * rng.random(),
+                  "rollout/invalid_rate": rng.random() * 0.1, "opd/loss": None if method == "ppo" else rng.random(),
+                  "ppo/clipfrac": rng.random()} for i in range(12)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+
+
+def _tables_from_results(root, out):
+    cfg = json.dumps(TRAIN)
+    main(["report", "results", "--cfg", cfg, "--eval-dir", str(root / "eval"), "--out-dir", str(out / "tables"),
+          "--figure", str(out / "figures/f1_vs_horizon.png")])
+    main(["report", "matched-control", "--cfg", cfg, "--eval-dir", str(root / "eval"),
+          "--out", str(out / "tables/matched_control.csv")])
+    metrics = [str(root / "train" / m / f"seed{s}" / "metrics.jsonl") for m in TRAIN["methods"] for s in TRAIN["seeds"]]
+    main(["report", "curves", "--cfg", cfg, "--metrics", *metrics, "--figure", str(out / "figures/training_curves.png"),
+          "--table", str(out / "tables/training_curves.csv"), "--reward", "f1"])
+
+
+TABLES = ["multiobjective", "wikirag", "vs_student", "matched_control", "training_curves"]
+
+
+@pytest.fixture
+def archived(tmp_path):
+    _results(tmp_path / "results")
+    main(["report", "archive", "--cfg", json.dumps(TRAIN), "--reward", "f1", "--eval-dir",
+          str(tmp_path / "results/eval"), "--train-dir", str(tmp_path / "results/train"), "--out", str(tmp_path / "archive")])
+    return tmp_path
+
+
+def test_tables_rebuilt_from_the_archive_alone_are_the_runs_tables(archived):
+    tmp = archived
+    _tables_from_results(tmp / "results", tmp / "own")
+    shutil.rmtree(tmp / "results")  # nothing but the archive from here on
+    main(["report", "from-archive", "--archive", str(tmp / "archive"), "--out-dir", str(tmp / "rebuilt")])
+    for t in TABLES:
+        own, rebuilt = (tmp / d / "tables" / f"{t}.csv" for d in ("own", "rebuilt"))
+        assert rebuilt.read_bytes() == own.read_bytes(), t
+        assert (tmp / "rebuilt/tables" / f"{t}.md").read_text() == (tmp / "own/tables" / f"{t}.md").read_text(), t
+    assert (tmp / "rebuilt/figures/f1_vs_horizon.png").stat().st_size > 0
+    assert (tmp / "rebuilt/figures/training_curves.png").stat().st_size > 0
+
+
+def test_the_archive_keeps_what_the_tables_read_and_records_its_source(archived):
+    tmp = archived
+    m = read_archive(tmp / "archive")
+    assert m["train"] == TRAIN and m["reward"] == "f1" and m["format"] == 1
+    assert len(m["commit"]) >= 7 and m["created"].startswith("20")
+    ev = json.loads((tmp / "archive/eval/memopd_seed3/q2_test.json").read_text())
+    own = json.loads((tmp / "results/eval/memopd_seed3/q2_test.json").read_text())
+    assert "config" not in ev and "throughput" not in ev and ev["f1"] == own["f1"] and ev["max_new_tokens"] == 64
+    with open(tmp / "archive/eval/memopd_seed3/q2_test.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["task_id", "em", "f1"] and len(rows) == 30
+    import gzip
+
+    lines = gzip.decompress((tmp / "archive/train/ppo/seed2/metrics.jsonl.gz").read_bytes())
+    assert lines == (tmp / "results/train/ppo/seed2/metrics.jsonl").read_bytes()
+    before = {p: p.read_bytes() for p in (tmp / "archive").rglob("*") if p.is_file() and p.name != MANIFEST}
+    main(["report", "archive", "--cfg", json.dumps(TRAIN), "--reward", "f1", "--eval-dir", str(tmp / "results/eval"),
+          "--train-dir", str(tmp / "results/train"), "--out", str(tmp / "archive")])
+    assert all(p.read_bytes() == b for p, b in before.items())  # the same runs, the same bytes
+
+
+def test_a_changed_or_missing_file_is_named(archived, capsys):
+    tmp = archived
+    f = tmp / "archive/eval/ppo_seed1/q2_test.json"
+    f.write_text(f.read_text().replace('"f1": 0', '"f1": 1'))
+    with pytest.raises(ValueError, match="eval/ppo_seed1/q2_test.json differs"):
+        read_archive(tmp / "archive")
+    f.unlink()
+    with pytest.raises(FileNotFoundError, match="eval/ppo_seed1/q2_test.json is listed"):
+        read_archive(tmp / "archive")
+    (tmp / "results/train/memopd/seed4/metrics.jsonl").unlink()
+    with pytest.raises(SystemExit):
+        main(["report", "archive", "--cfg", json.dumps(TRAIN), "--reward", "f1", "--eval-dir",
+              str(tmp / "results/eval"), "--train-dir", str(tmp / "results/train"), "--out", str(tmp / "a2")])
+    assert "memopd/seed4/metrics.jsonl" in capsys.readouterr().err
+    assert not (tmp / "a2").exists()  # nothing written
