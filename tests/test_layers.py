@@ -5,7 +5,7 @@ know nothing of each other.
 A unit is a top-level module (memopd/stats.py: `stats`) or a subpackage (memopd/train/: `train`). The floors,
 lowest first:
 
-  0 foundations    records, cost, losses, metrics, models, tracking, inputs, codegraph, stats, dist, checkpoint,
+  0 foundations    records, cost, losses, metrics, models, methods, tracking, inputs, codegraph, stats, dist, checkpoint,
                    progress
                    and the package's own __init__ (no memopd import at all)
   1 layout         packing, vocab, prefetch
@@ -34,7 +34,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "memopd"
 
 FLOORS = [
-    ("foundations", {"memopd", "records", "cost", "losses", "metrics", "models", "tracking", "inputs", "codegraph",
+    ("foundations", {"memopd", "records", "cost", "losses", "metrics", "models", "methods", "tracking", "inputs", "codegraph",
                      "stats", "dist", "checkpoint", "progress"}),
     ("layout", {"packing", "vocab", "prefetch"}),
     ("exact forward", {"attention"}),

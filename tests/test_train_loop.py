@@ -626,3 +626,22 @@ def test_models_are_sharded_as_they_come_and_the_teacher_loads_last(monkeypatch,
     assert max(n for _, n in events) == 2  # the policy and one copy
     assert (teacher is None) == (method == "ppo") and len(critic.lm.model.layers) == 2
     assert not any(p.requires_grad for p in ref.parameters())
+
+
+def test_memopd_self_distils_from_the_sft_student_itself(setup, tmp_path):
+    """The regularisation control: the frozen teacher is the SFT student, scored on the exact state, so at the first
+    update (the policy still the student) the reverse KL on the teacher tokens is 0; `memopd` with another teacher's
+    is not, and neither is `memopd_self` scored on the persistent flattening (that would be another state)."""
+    d, cfg = setup
+    one = {**cfg, "train": {**cfg["train"], "steps": 1}}
+
+    def first(method, teacher, out):
+        hist = train_run(one, method, 0, d / "student", teacher, d / "q2_train.parquet", d / "index", tmp_path / out,
+                         log=lambda *a: None)
+        return hist[0]
+
+    own = first("memopd_self", d / "student", "self")
+    assert own["opd/loss"] == pytest.approx(0.0, abs=1e-6)
+    assert first("memopd", d / "teacher", "other")["opd/loss"] > 1e-3
+    with pytest.raises(ValueError, match="needs a teacher"):
+        first("memopd_self", None, "none")

@@ -38,6 +38,7 @@ PYTHON_ONLINE = 'PYTHONPATH="$MEMOPD_SRC${PYTHONPATH:+:$PYTHONPATH}" "$MEMOPD_PY
 sys.path.insert(0, SRC)  # this checkout's library, as the jobs run it
 try:
     from memopd.codegraph import code_hash, command_targets, package_hash
+    from memopd.methods import MATCHED_METHODS, METHODS, teacher_model
     from memopd.prefetch import encodings_dir, hub_repos, localize
 finally:
     sys.path.remove(SRC)
@@ -212,10 +213,10 @@ def sft_init(wildcards):
 
 
 def train_teacher(wildcards):
-    """The frozen teacher, for the methods that score it (`ppo` does not: its runs need not wait for it)."""
-    if wildcards.method == "ppo":
-        return {}
-    return {"teacher": f"results/models/{config['train']['teacher']}/model.safetensors"}
+    """The frozen teacher, for the methods that score it (memopd.methods; `ppo` does not: its runs need not wait
+    for it). `memopd_self`'s teacher is the SFT student itself."""
+    model = teacher_model(wildcards.method, config["train"])
+    return {"teacher": f"results/models/{model}/model.safetensors"} if model else {}
 
 
 def model_init_inputs(w):

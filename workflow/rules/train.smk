@@ -6,9 +6,9 @@ TRAIN = config["train"]
 # reads, not how to train), so that changing the control's seeds reruns no training and no Tables 1-2.
 TRAIN_RUN = {k: v for k, v in TRAIN.items() if k != "matched_control"}
 TRAINED = [f"{m}_seed{s}" for m in TRAIN["methods"] for s in TRAIN["seeds"]]
-# The matched control: methods fixed (as memopd.report.results.MATCHED_METHODS), runs {method}_seed{seed}.
+# The matched control: methods fixed (memopd.methods.MATCHED_METHODS), runs {method}_seed{seed}.
 CONTROL = TRAIN["matched_control"]
-CONTROL_RUNS = [f"{m}_seed{s}" for m in ("ppo", "memopd_persistent", "memopd") for s in CONTROL["seeds"]]
+CONTROL_RUNS = [f"{m}_seed{s}" for m in MATCHED_METHODS for s in CONTROL["seeds"]]
 
 
 rule train:
@@ -22,7 +22,7 @@ rule train:
         metrics="results/train/{method}/seed{seed}/metrics.jsonl",
         model="results/models/{method}_seed{seed}/model.safetensors",
     wildcard_constraints:
-        method="ppo|memopd|memopd_persistent",
+        method="|".join(METHODS),
         seed=r"\d+",
     params:
         code=code("train"),
@@ -154,7 +154,7 @@ rule archive:
         control=expand("results/eval/{model}/{benchmark}.json", model=CONTROL_RUNS, benchmark=CONTROL["benchmark"]),
         metrics=expand("results/train/{method}/seed{seed}/metrics.jsonl", method=TRAIN["methods"], seed=TRAIN["seeds"]),
         control_metrics=expand("results/train/{method}/seed{seed}/metrics.jsonl",
-                               method=("ppo", "memopd_persistent", "memopd"), seed=CONTROL["seeds"]),
+                               method=MATCHED_METHODS, seed=CONTROL["seeds"]),
     output:
         manifest="results/archive/archive.json",
     params:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from memopd.agent.memory import RULES
+from memopd.methods import method as method_spec
 from memopd.plan.jobs import Job, _common, _fsdp, _job, _resources, _retriever, _rollouts, _scoring, _vllm
 from memopd.plan.memory import (COMPARE_CHUNK, DIVERGENCE_BYTES, STATE_BYTES, TOKEN_BYTES, _rce_terms, act_per_token,
                                 attention_scores, call_input, episode_tokens, max_turns, new_tokens, resolve_backend)
@@ -23,7 +24,7 @@ def plan_train(cfg: dict) -> list[Job]:
     both = 1 + k / pol.layers  # policy + critic, in units of the policy's decoder
     tokens, actions = episode_tokens(cfg, t["benchmark"], ro["max_new_tokens"])
     local = math.ceil(t["batch_tasks"] / w)
-    opd = any(m != "ppo" for m in t["methods"])
+    opd = any(method_spec(m).needs_teacher for m in t["methods"])
     for ph in ("rollout", "scoring", "update"):
         _common(job, cfg, ph)
         job.add(ph, "policy + critic (AdamW)", (pol.params + pc) * 16 / s, f"(P + P_critic) x 16 B / {s}")

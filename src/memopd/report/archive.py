@@ -20,12 +20,12 @@ import json
 import subprocess
 from pathlib import Path
 
+from memopd.methods import MATCHED_METHODS as MATCHED
 from memopd.report.tables import write_json
 
 FORMAT = 1
 MANIFEST = "archive.json"
 TASK_COLUMNS = ("task_id", "em", "f1")
-MATCHED = ("ppo", "memopd_persistent", "memopd")  # as memopd.report.results.MATCHED_METHODS (not imported: light)
 
 
 def contents(train: dict) -> tuple[list[tuple[str, str]], list[tuple[str, int]]]:

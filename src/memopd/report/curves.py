@@ -11,6 +11,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from memopd.methods import ORDER as METHOD_ORDER
 from memopd.report.results import figure_title
 
 # (metrics.jsonl key, panel title); the keys train/loop.py and train/ppo.py write every step
@@ -20,7 +21,6 @@ PANELS = (
     ("opd/loss", "OPD reverse KL (teacher tokens)"),
     ("ppo/clipfrac", "PPO clip fraction"),
 )
-METHOD_ORDER = ("ppo", "memopd_persistent", "memopd")
 
 
 def load_runs(paths) -> dict[str, dict[int, list[dict]]]:

@@ -21,6 +21,7 @@ import statistics
 import textwrap
 from pathlib import Path
 
+from memopd.methods import MATCHED_METHODS as METHODS_OF_THE_CONTROL
 from memopd.report.tables import LABEL_VAR
 from memopd.stats import (NAN, VERDICT_RULE, SeedTest, compare_seeds, holm, noise_verdict, one_sample_test, paired_bca,
                           relative_change_pct, t_interval, two_level_bootstrap)
@@ -33,7 +34,7 @@ METRICS = {
     "matched_control": ["em", "f1"],
 }
 # The matched control: these three methods, everything else identical (the runs differ only by method).
-MATCHED_METHODS = ["ppo", "memopd_persistent", "memopd"]
+MATCHED_METHODS = list(METHODS_OF_THE_CONTROL)
 # Its two increments (method, baseline, what it measures) and the paper's change of the mean in %.
 INCREMENTS = [
     ("memopd_persistent", "ppo", "persistent teacher", {"f1": 5.6, "em": 4.4}),

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memopd.inputs import UsageError, existing, section
+from memopd.methods import METHODS, method as method_spec
 
 TRAIN_KEYS = ("steps", "batch_tasks", "lr_actor", "lr_critic")  # what train_run reads of `train` without a default
 
@@ -19,7 +20,7 @@ def cmd_train(args, cfg):
 
     section(cfg, "train", *TRAIN_KEYS)
     agent_config(cfg)
-    if args.method != "ppo" and args.teacher is None:
+    if method_spec(args.method).needs_teacher and args.teacher is None:
         raise UsageError(f"method {args.method!r} needs --teacher")
     existing(args.student, args.teacher, args.tasks, args.index)
     rank_threads(args.threads)
@@ -53,9 +54,9 @@ def cmd_train(args, cfg):
 
 def register(cli) -> None:
     sp = cli.add("train", cmd_train, "one PPO / MemOPD run (method, seed): rollouts, exact packed updates, checkpoints")
-    sp.add_argument("--method", required=True, choices=["ppo", "memopd", "memopd_persistent"])
+    sp.add_argument("--method", required=True, choices=list(METHODS))
     sp.add_argument("--student", required=True, help="SFT student directory (policy, critic and reference init)")
-    sp.add_argument("--teacher", help="frozen teacher directory (memopd methods; ppo uses none)")
+    sp.add_argument("--teacher", help="frozen teacher directory (the memopd methods; memopd_self: the SFT student itself; ppo uses none)")
     sp.add_argument("--tasks", required=True, help="training benchmark parquet")
     sp.add_argument("--index", required=True, help="retrieval index directory")
     sp.add_argument("--out-dir", required=True, help="run directory (metrics.jsonl, checkpoint/, model/)")

@@ -53,6 +53,7 @@ from memopd import parallel
 from memopd.checkpoint import (PendingSave, is_sharded, load_sharded, load_tensors, read_state, save_sharded,
                                save_tensors)
 from memopd.dist import dist_info, gather, setup_distributed
+from memopd.methods import method as method_spec
 from memopd.progress import Progress
 from memopd.train.config import RunConfig
 from memopd.train.ppo import ValueModel, ppo_update
@@ -219,11 +220,12 @@ def preflight(cfg: dict, run: RunConfig, method: str, seed: int, student_dir, te
     """The refusals of a run, before any model loads (minutes at paper scale): the OPD methods need a
     teacher with the student's tokenizer (OPD compares the two id by id), and a checkpoint is resumed only
     by its own run. Returns (the run's identity, the checkpoint to resume or None)."""
-    if method != "ppo" and teacher_dir is None:
+    taught = method_spec(method).needs_teacher
+    if taught and teacher_dir is None:
         raise ValueError(f"method {method!r} needs a teacher")
-    if method != "ppo":
+    if taught:
         check_model_dirs(student_dir, teacher_dir)
-    identity = run_identity(cfg, method, seed, student=student_dir, teacher=None if method == "ppo" else teacher_dir,
+    identity = run_identity(cfg, method, seed, student=student_dir, teacher=teacher_dir if taught else None,
                             tasks=tasks_path, index=index_dir)
     resume = resume_point(ckpt, identity)
     steps = run.steps
@@ -276,7 +278,7 @@ def build_models(run: RunConfig, method: str, student_dir, teacher_dir, device, 
     # the frozen teacher stays in train.dtype and whole: inference only (a target distribution, never in a
     # ratio); `ppo` never scores it, so it needs none (its jobs can start before the teacher's SFT ends)
     teacher = (load(teacher_dir, dtype=run.dtype, device=str(device)).requires_grad_(False)
-               if method != "ppo" else None)
+               if method_spec(method).needs_teacher else None)
     return policy, ref, critic, teacher
 
 

@@ -46,6 +46,7 @@ from memopd.attention import packed_hidden
 from memopd.dist import allreduce_grads, gather, global_mean_std
 from memopd.losses import (action_logprobs_entropy, actor_loss, gae, opd_loss, reference_penalty, token_rewards,
                            value_loss)
+from memopd.methods import method as method_spec
 from memopd.packing import Packed, pack
 from memopd.parallel import autocast, call, check_backend, clip_grad_norm, gathered, is_checkpointed, is_sharded
 from memopd.rce import RCEError, guard
@@ -53,7 +54,6 @@ from memopd.records import Episode
 from memopd.train.batching import (BatchLayout, Minibatch, RankShare, combine, minibatch_plan, minibatch_schedule,
                                    reduce_metrics, token_counts)
 
-METHODS = ("ppo", "memopd", "memopd_persistent")
 
 
 class ValueModel(torch.nn.Module):
@@ -107,14 +107,13 @@ class PPOConfig:
     vocab: int | None = None  # ids of the OPD KL: len(tokenizer); None: the rows both heads have (losses.shared_vocab)
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; choose from {METHODS}")
+        method_spec(self.method)  # refuses an unknown method, naming the known ones
         autocast(torch.device("cpu"), self.dtype)  # refuses a dtype training does not support
 
     @property
     def opd_weight(self) -> float:
         """lambda of the actor loss: opd_coef, 0 for `ppo`."""
-        return 0.0 if self.method == "ppo" else self.opd_coef
+        return self.opd_coef if method_spec(self.method).needs_teacher else 0.0
 
 
 def _head(model):
@@ -178,7 +177,7 @@ def score_episode(episode: Episode, pos: int, policy, ref, critic, teacher, cfg:
         values = call(critic, lambda m: m.values(packed, cfg.backend))
     teach_rows = packed.teacher_mask[packed.action_index]
     teacher_hidden = None
-    if cfg.method != "ppo" and teach_rows.any():
+    if method_spec(cfg.method).needs_teacher and teach_rows.any():
         teacher_hidden = teacher_states(teacher, episode, packed, teach_rows, pos, cfg)
     return ScoredEpisode(packed, old_logp, ref_logp, values, teach_rows, teacher_hidden)
 
@@ -186,9 +185,9 @@ def score_episode(episode: Episode, pos: int, policy, ref, critic, teacher, cfg:
 def teacher_states(teacher, episode: Episode, packed: Packed, teach_rows: torch.Tensor, pos: int,
                    cfg: PPOConfig) -> torch.Tensor:
     """(T, H_T) teacher hidden states predicting the T action tokens of `teach_rows`: on the exact packed
-    state (memopd), or on the persistent-history flattening at the same tokens (memopd_persistent)."""
-    teacher_pack = packed if cfg.method == "memopd" else pack(episode, layout="persistent", teacher=cfg.teacher_select,
-                                                               seed=cfg.seed + pos)
+    state (memopd, memopd_self), or on the persistent-history flattening at the same tokens (memopd_persistent)."""
+    exact = method_spec(cfg.method).teacher_state == "exact"
+    teacher_pack = packed if exact else pack(episode, layout="persistent", teacher=cfg.teacher_select, seed=cfg.seed + pos)
     # prefix sharing and calls need blocked calls; auto picks among the paths the layout allows
     backend = cfg.backend if teacher_pack.block_calls or cfg.backend not in ("prefix_shared", "calls") else "sdpa"
     return packed_hidden(teacher, teacher_pack, backend, index=teacher_pack.pred_index[teach_rows])
