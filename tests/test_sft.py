@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from memopd.packing import PackingLimitError
 from memopd.records import Episode, load_episodes
-from memopd.sft.data import StepPlan, bin_pack, example_len, split_heldout, turn_examples
+from memopd.sft.data import StepPlan, bin_pack, example_len, of_layouts, persistent_state, split_heldout, turn_examples
 from memopd.sft.loss import packed_target_loss, padded_target_loss
 from memopd.sft.trainer import TrainConfig, evaluate, lr_factor, train
 from memopd.synthetic import RULES, random_episode
@@ -79,9 +79,59 @@ def test_turn_examples_filter_exact_ids_dedup_and_stats():
     assert [x.invocations[0].input_ids for x in ex] == [c.input_ids for c in calls]
     assert [x.invocations[0].output_ids for x in ex] == [c.output_ids for c in calls]
     assert all(len(x.invocations) == 1 and x.prefix_len == 12 for x in ex)
-    assert ex[4].metrics == {"source_task": "task5", "source_episode": 5, "call": 1}
+    assert ex[4].metrics == {"source_task": "task5", "source_episode": 5, "call": 1, "layout": "exact"}
     with pytest.raises(ValueError, match="task0"):
         turn_examples([replace(eps[0], reward=None)], 0.5)
+
+
+def test_persistent_examples_are_the_calls_of_the_packed_transcript():
+    """A call's persistent-layout example is the packed persistent transcript up to that call's response: the same
+    ids (read from the packing compiler), and the same logits for every response token under a model."""
+    from memopd.packing import pack
+
+    model = tiny().eval()
+    for ep in episodes(6)[:6]:
+        p = pack(ep, layout="persistent")
+        ids = p.input_ids.tolist()
+        calls = p.call[p.action_index].tolist()
+        with torch.no_grad():
+            whole = model(p.input_ids[None], position_ids=p.position_ids[None]).logits[0]
+        for t, inv in enumerate(ep.invocations):
+            first = p.action_index[calls.index(t)].item()  # the first response token of call t in the transcript
+            state = persistent_state(ep, t)
+            assert state == ids[:first], (ep.task_id, t)
+            x = torch.tensor(state + list(inv.output_ids))
+            with torch.no_grad():
+                alone = model(x[None]).logits[0]
+            n = len(inv.output_ids)
+            mine = p.pred_index[[i for i, c in enumerate(calls) if c == t]]
+            torch.testing.assert_close(alone[len(state) - 1:len(state) - 1 + n], whole[mine], rtol=1e-4, atol=1e-5)
+
+
+def test_turn_examples_in_both_states_and_a_role_that_trains_on_them():
+    eps = episodes(9)
+    exact, _ = turn_examples(eps, min_reward=0.5)
+    both, stats = turn_examples(eps, min_reward=0.5, layouts=("exact", "persistent"))
+    kept = [e for e in eps if e.reward >= 0.5]
+    persistent = of_layouts(both, ("persistent",))
+    assert of_layouts(both, ("exact",)) == exact
+    # the first call's persistent state is its exact state: a duplicate, dropped
+    assert len(persistent) == sum(len(e.invocations) - 1 for e in kept)
+    assert stats["turn_examples_by_layout"] == {"exact": len(exact), "persistent": len(persistent)}
+    x = persistent[0]
+    assert x.metrics["layout"] == "persistent" and x.task_id.endswith("@persistent")
+    src = kept[0]
+    assert x.invocations[0].input_ids == persistent_state(src, 1) and x.invocations[0].output_ids == src.invocations[1].output_ids
+    with pytest.raises(ValueError, match="unknown SFT example layouts"):
+        turn_examples(eps, 0.5, layouts=("flat",))
+    from memopd.sft.commands import example_layouts
+
+    cfg = {**TINY_SFT, "teacher": {"steps": 2, "layouts": ["persistent", "exact"]}}
+    assert TrainConfig.from_section(cfg, "teacher").layouts == ("persistent", "exact")
+    assert TrainConfig.from_section(cfg, "student").layouts == ("exact",)
+    assert example_layouts(cfg) == ("exact", "persistent") and example_layouts(TINY_SFT) == ("exact",)
+    with pytest.raises(ValueError, match="sft layouts"):
+        TrainConfig.from_section({**TINY_SFT, "teacher": {"steps": 2, "layouts": ["flat"]}}, "teacher")
 
 
 @settings(max_examples=60, deadline=None)
@@ -630,3 +680,31 @@ def test_sft_commands_open_the_process_group_with_the_configs_timeout(tmp_path, 
     finally:
         torch.set_num_threads(before)
     assert seen == [(7.5, 2), (7.5, 2)]
+
+
+def test_a_role_trains_on_its_layouts_and_is_held_out_on_the_exact_states(tmp_path):
+    """`sft examples` writes every state some role asks for; `sft train` trains each role on its own (the teacher
+    on both here, the student on the exact states) and evaluates both on the exact states of the held-out split."""
+    from memopd.cli import main
+    from memopd.models import train_tokenizer
+    from memopd.records import save_episodes
+
+    init = tmp_path / "init"
+    tiny().save_pretrained(init)
+    train_tokenizer([f"word{i} and word{i + 1}" for i in range(60)], 300, init)
+    save_episodes(tmp_path / "traj.parquet", episodes())
+    sft = {**TINY_SFT, "teacher": {"steps": 1, "layouts": ["exact", "persistent"]}, "student": {"steps": 1},
+           "seq_len": 256}
+    common = ["--cfg", json.dumps(sft), "--seed", "3"]
+    main(["sft", "examples", *common, "--teacher", "scripted", "--episodes", str(tmp_path / "traj.parquet"),
+          "--out", str(tmp_path / "ex.parquet"), "--stats", str(tmp_path / "ex.json")])
+    examples = load_episodes(tmp_path / "ex.parquet")
+    train_ex, held = split_heldout(examples, sft["eval_fraction"], 3)
+    assert of_layouts(examples, ("persistent",)) and held
+    for role in ("student", "teacher"):
+        main(["sft", "train", *common, "--threads", "1", "--role", role, "--examples", str(tmp_path / "ex.parquet"),
+              "--init", str(init), "--out", str(tmp_path / role)])
+        info = json.loads((tmp_path / role / "memopd_model.json").read_text())["sft"]
+        layouts = ("exact", "persistent") if role == "teacher" else ("exact",)
+        assert info["train_examples"] == len(of_layouts(train_ex, layouts)), role
+        assert info["heldout_examples"] == len(of_layouts(held, ("exact",))), role

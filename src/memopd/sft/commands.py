@@ -38,6 +38,15 @@ def train_config(cfg: dict, role: str | None, stage: str = "sft"):
         raise ConfigError(f"config section 'sft': {e}") from None
 
 
+def example_layouts(cfg: dict) -> tuple[str, ...]:
+    """Every state some role trains on (sft.<role>.layouts), in sft.data.LAYOUTS order: what `sft examples` writes."""
+    from memopd.sft.data import LAYOUTS
+    from memopd.sft.trainer import ROLES
+
+    wanted = {k for r in ROLES if r in cfg for k in train_config(cfg, r).layouts}
+    return tuple(k for k in LAYOUTS if k in wanted) or ("exact",)
+
+
 def cmd_sft_trajectories(args, cfg):
     from memopd.agent.trajectories import trajectories_step
 
@@ -62,7 +71,7 @@ def cmd_sft_examples(args, cfg):
 
     require(cfg, "min_reward")
     existing(args.episodes)
-    examples, stats = turn_examples(load_episodes(args.episodes), cfg["min_reward"])
+    examples, stats = turn_examples(load_episodes(args.episodes), cfg["min_reward"], example_layouts(cfg))
     stats = {"teacher": args.teacher, **stats}
     save_episodes(args.out, examples)
     write_json(args.stats, {**stats, "episodes": args.episodes, "config": cfg})
@@ -141,7 +150,7 @@ def cmd_sft_train(args, cfg):
     from memopd.dist import dist_info, rank_threads, setup_distributed
     from memopd.models import load_model, load_tokenizer
     from memopd.records import load_episodes
-    from memopd.sft.data import split_heldout
+    from memopd.sft.data import of_layouts, split_heldout
     from memopd.sft.trainer import train, whole_tensors
 
     tcfg = train_config(cfg, args.role, args.stage)
@@ -150,6 +159,8 @@ def cmd_sft_train(args, cfg):
     device = setup_distributed(tcfg.dist_timeout_min)
     rank, world, _ = dist_info()
     train_ex, heldout = split_heldout(load_episodes(args.examples), tcfg.eval_fraction, args.seed)
+    # the role's states (sft.<role>.layouts); the held-out loss is always the exact states' (comparable across roles)
+    train_ex, heldout = of_layouts(train_ex, tcfg.layouts), of_layouts(heldout, ("exact",))
     seed = args.seed if tcfg.seed is None else tcfg.seed  # the held-out split above keeps args.seed
     train_ex += stage_repeats(args.init, tcfg, seed)  # training only: the held-out loss stays the agent's
     model = load_model(args.init, dtype="float32", device=str(device))  # fp32 master weights
@@ -194,7 +205,7 @@ def cmd_sft_eval(args, cfg):
     from memopd.dist import rank_threads, setup_distributed
     from memopd.models import load_model
     from memopd.records import load_episodes
-    from memopd.sft.data import split_heldout
+    from memopd.sft.data import of_layouts, split_heldout
     from memopd.sft.trainer import evaluate
     from memopd.tracking import run_ref
 
@@ -203,6 +214,7 @@ def cmd_sft_eval(args, cfg):
     rank_threads(args.threads)
     device = setup_distributed(tcfg.dist_timeout_min)
     _, heldout = split_heldout(load_episodes(args.examples), tcfg.eval_fraction, args.seed)
+    heldout = of_layouts(heldout, ("exact",))  # the exact states, whatever layouts the roles trained on
     if not heldout:
         raise UsageError("no held-out examples (sft.eval_fraction is 0 or too small for the data)")
     model = load_model(args.model, dtype="float32", device=str(device))

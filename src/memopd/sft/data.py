@@ -16,13 +16,33 @@ from memopd.packing import PackingLimitError
 from memopd.records import Episode, Invocation
 
 
-def turn_examples(episodes: list[Episode], min_reward: float) -> tuple[list[Episode], dict]:
+LAYOUTS = ("exact", "persistent")  # the states an example can put a call's response in (sft.<role>.layouts)
+
+
+def persistent_state(ep: Episode, t: int) -> list[int]:
+    """Call t's input as the persistent-history flattening shows it (packing layout "persistent"): the prefix
+    once, then every earlier call's input (after the prefix) and response, then call t's input, with running
+    positions. A one-call example with this input predicts call t's response exactly as the packed transcript
+    does (tests/test_sft.py)."""
+    q = ep.prefix_len
+    ids = list(ep.invocations[0].input_ids[:q])
+    for inv in ep.invocations[:t]:
+        ids += list(inv.input_ids[q:]) + list(inv.output_ids)
+    return ids + list(ep.invocations[t].input_ids[q:])
+
+
+def turn_examples(episodes: list[Episode], min_reward: float,
+                  layouts: tuple[str, ...] = ("exact",)) -> tuple[list[Episode], dict]:
     """Kept trajectories (reward >= min_reward) -> de-duplicated one-call examples, and stats.
 
     An episode without a reward is an error (a threshold cannot judge it). Duplicates are identical
     (input ids, target ids) pairs; the first occurrence is kept, so the result is deterministic.
-    Each example's metrics name its source: {"source_task", "source_episode", "call"}.
+    Each example's metrics name its source and state: {"source_task", "source_episode", "call", "layout"}.
+    `layouts`: "exact" gives each call in the state it was made in; "persistent" adds it in the persistent-history
+    flattening (`persistent_state`; the first call's is its exact state, a duplicate).
     """
+    if unknown := set(layouts) - set(LAYOUTS):
+        raise ValueError(f"unknown SFT example layouts {sorted(unknown)}; choose from {list(LAYOUTS)}")
     examples, seen = [], set()
     kept = candidates = 0
     for e, ep in enumerate(episodes):
@@ -32,20 +52,24 @@ def turn_examples(episodes: list[Episode], min_reward: float) -> tuple[list[Epis
             continue
         kept += 1
         ep.validate()
-        for t, inv in enumerate(ep.invocations):
-            candidates += 1
-            key = (tuple(inv.input_ids), tuple(inv.output_ids))
-            if key in seen:
+        for layout in LAYOUTS:
+            if layout not in layouts:
                 continue
-            seen.add(key)
-            examples.append(Episode(
-                task_id=f"{ep.task_id}#{t}", prefix_len=ep.prefix_len,
-                # provenance spans point into other calls, which an example does not hold: in a
-                # single call a retained span is plain context, which is what SFT conditions on
-                invocations=[Invocation(list(inv.input_ids), list(inv.output_ids), stop_reason=inv.stop_reason)],
-                reward=ep.reward,
-                metrics={"source_task": ep.task_id, "source_episode": e, "call": t},
-            ))
+            for t, inv in enumerate(ep.invocations):
+                candidates += 1
+                ids = list(inv.input_ids) if layout == "exact" else persistent_state(ep, t)
+                key = (tuple(ids), tuple(inv.output_ids))
+                if key in seen:
+                    continue
+                seen.add(key)
+                examples.append(Episode(
+                    task_id=f"{ep.task_id}#{t}" + ("" if layout == "exact" else f"@{layout}"), prefix_len=ep.prefix_len,
+                    # provenance spans point into other calls, which an example does not hold: in a
+                    # single call a retained span is plain context, which is what SFT conditions on
+                    invocations=[Invocation(ids, list(inv.output_ids), stop_reason=inv.stop_reason)],
+                    reward=ep.reward,
+                    metrics={"source_task": ep.task_id, "source_episode": e, "call": t, "layout": layout},
+                ))
     stats = {
         "min_reward": min_reward,
         "trajectories_generated": len(episodes),
@@ -53,6 +77,7 @@ def turn_examples(episodes: list[Episode], min_reward: float) -> tuple[list[Epis
         "turn_candidates": candidates,
         "duplicates_dropped": candidates - len(examples),
         "turn_examples": len(examples),
+        "turn_examples_by_layout": {k: sum(x.metrics["layout"] == k for x in examples) for k in layouts},
         "target_tokens": sum(len(x.invocations[0].output_ids) for x in examples),
         "context_tokens": sum(len(x.invocations[0].input_ids) for x in examples),
         "max_example_tokens": max((example_len(x) for x in examples), default=0),
@@ -156,6 +181,11 @@ class StepPlan:
             done += take / n
             left -= take
         return done
+
+
+def of_layouts(examples: list[Episode], layouts) -> list[Episode]:
+    """The examples in one of `layouts` (an example written before layouts existed is "exact")."""
+    return [x for x in examples if x.metrics.get("layout", "exact") in layouts]
 
 
 def split_heldout(examples: list[Episode], fraction: float, seed: int) -> tuple[list[Episode], list[Episode]]:

@@ -55,7 +55,7 @@ from memopd.dist import TIMEOUT_MIN, dist_info
 from memopd.packing import PackingLimitError
 from memopd.progress import Progress
 from memopd.records import Episode
-from memopd.sft.data import StepPlan, bin_pack, example_len, target_len
+from memopd.sft.data import LAYOUTS, StepPlan, bin_pack, example_len, target_len
 from memopd.sft.loss import TargetLoss, target_loss
 
 ROLES = ("student", "teacher")
@@ -109,6 +109,7 @@ class TrainConfig:
     dist_timeout_min: float = TIMEOUT_MIN  # how long a rank waits in a collective (rank 0 writing a checkpoint)
     repeats: int = 0  # random-token sequences, each repeated, added to the training split (sft.data.repeat_examples)
     repeat_length: tuple[int, int] = (16, 96)  # [min, max] tokens of such a sequence
+    layouts: tuple[str, ...] = ("exact",)  # the states of the turn examples trained on (sft.data.LAYOUTS)
 
     @classmethod
     def from_section(cls, section: dict, role: str | None = None) -> "TrainConfig":
@@ -125,8 +126,9 @@ class TrainConfig:
         if missing := required - set(merged):
             raise ValueError(f"SFT config lacks {sorted(missing)}")
         merged["betas"] = tuple(merged["betas"])
-        if "repeat_length" in merged:
-            merged["repeat_length"] = tuple(merged["repeat_length"])
+        for key in ("repeat_length", "layouts"):
+            if key in merged:
+                merged[key] = tuple(merged[key])
         cfg = cls(**merged)
         if (cfg.steps is None) == (cfg.epochs is None):
             raise ValueError("SFT config needs exactly one budget: steps or epochs")
@@ -138,6 +140,8 @@ class TrainConfig:
         if cfg.repeats and 2 * cfg.repeat_length[1] + 2 > cfg.seq_len:  # the sequence twice, a separator and eos
             raise ValueError(f"sft.repeat_length {list(cfg.repeat_length)}: a repeat example of up to "
                              f"{2 * cfg.repeat_length[1] + 2} tokens exceeds seq_len {cfg.seq_len}")
+        if not cfg.layouts or set(cfg.layouts) - set(LAYOUTS):
+            raise ValueError(f"sft layouts {list(cfg.layouts)}: choose one or more of {list(LAYOUTS)}")
         if cfg.shard not in parallel.SHARDING:
             raise ValueError(f"sft.shard {cfg.shard!r}: choose from {parallel.SHARDING}")
         return cfg
