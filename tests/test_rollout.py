@@ -161,3 +161,30 @@ def test_integration_rollout_pack_rce(rule):
         assert r["passed"], f"{rule} {name}: RCE max |dlogp| {r['max_abs_dlogp']:.3g}"
         assert r["action_tokens"] == int(p.act_mask.sum()) and r["top1_agreement"] == 1.0
     assert mismatch.max() < 1e-2  # loose sanity bound; the figure is reported, not the point
+
+
+def test_the_persistent_view_shows_the_transcript_of_the_exact_states():
+    """agent.view persistent: with the same responses, call t is shown the packed persistent transcript of the
+    exact-view episode up to call t (read from the packing compiler), recorded with valid provenance; the memory
+    rule's states, the actions and the scores are the exact view's."""
+    task = nq_tasks(1, n_questions=2)[0]
+    gold = "; ".join(a[0] for a in task.answers)
+    responses = [f"<think>q1</think><search>{task.questions[0]}</search>",
+                 f"<think>q2</think><search>{task.questions[1]}</search>", f"<think>done</think><answer>{gold}</answer>"]
+    cfg = AgentConfig(max_observation_tokens=64, rule="summary_replacement")
+    (exact,), _ = _run(list(responses), cfg, [task])
+    (flat,), backend = _run(list(responses), AgentConfig(max_observation_tokens=64, view="persistent"), [task])
+    p = pack(exact, layout="persistent")
+    ids, calls = p.input_ids.tolist(), p.call[p.action_index].tolist()
+    assert len(flat.invocations) == len(exact.invocations) == 3
+    for t, inv in enumerate(flat.invocations):
+        first = p.action_index[calls.index(t)].item()
+        assert inv.input_ids == ids[:first] == backend.prompts[t], t
+        assert inv.output_ids == exact.invocations[t].output_ids
+    assert flat.invocations[0].input_ids == exact.invocations[0].input_ids
+    assert len(flat.invocations[2].retained) == 2 + len(exact.invocations[2].retained)  # both earlier responses
+    flat.validate()
+    assert flat.metrics["actions"] == exact.metrics["actions"] and flat.metrics["f1"] == exact.metrics["f1"]
+    assert flat.metrics["peak_context_tokens"] > exact.metrics["peak_context_tokens"]
+    with pytest.raises(ValueError, match="view must be one of"):
+        AgentConfig(view="flat")

@@ -218,15 +218,17 @@ def test_induction_probe_counts_the_repeat_only():
     assert ip.repeat_accuracy(off_by_one, distinct) == (0, 5)
 
 
-def test_flattened_eval_changes_only_the_memory_rule_and_resolves_per_benchmark_settings():
+def test_flattened_eval_changes_only_the_view_and_resolves_per_benchmark_settings():
     import json
 
     import yaml
 
     fe = _load("flattened_eval")
     cfg = yaml.safe_load((ROOT / "config/study.yaml").read_text())
-    got = json.loads(fe.eval_cfg(cfg, "q8_test", "full_retention"))
-    assert got["agent"] == {**cfg["agent"], "rule": "full_retention"} and cfg["agent"]["rule"] == "summary_replacement"
+    got = json.loads(fe.eval_cfg(cfg, "q8_test"))
+    assert got["agent"] == {**cfg["agent"], "view": "persistent"} and cfg["agent"]["rule"] == "summary_replacement"
+    assert json.loads(fe.eval_cfg(cfg, "q8_test", "exact", "full_retention"))["agent"] == {
+        **cfg["agent"], "view": "exact", "rule": "full_retention"}
     assert got["rollout"] == cfg["rollout"]
     # eval's per-benchmark settings resolved for q8_test, by hand from the config's maps
     assert got["eval"]["max_new_tokens"] == cfg["eval"]["max_new_tokens"]["q8_test"] == 160

@@ -44,6 +44,21 @@ class Invocation:
     retained: list[Retained] = field(default_factory=list)
 
 
+def flatten_history(prefix_len: int, inputs: list[list[int]], outputs: list[list[int]]) -> tuple[list[int], list[Retained]]:
+    """Call t's input in the persistent-history flattening (packing layout "persistent"): the prefix once, then
+    every earlier call's input after the prefix and its response, then call t's input after the prefix. `inputs`:
+    the exact states of calls 0..t (each [q, x_s]); `outputs`: the responses of calls 0..t-1. Returns the ids and
+    the provenance of the earlier responses inside them (one Retained span per earlier call)."""
+    if len(inputs) != len(outputs) + 1:
+        raise ValueError(f"flatten_history: {len(inputs)} inputs for {len(outputs)} earlier responses")
+    ids, spans = list(inputs[0][:prefix_len]), []
+    for s, (x, a) in enumerate(zip(inputs, outputs)):
+        ids += x[prefix_len:]
+        spans.append(Retained(s, 0, len(ids), len(a)))
+        ids += a
+    return ids + list(inputs[-1][prefix_len:]), spans
+
+
 @dataclass
 class Episode:
     task_id: str

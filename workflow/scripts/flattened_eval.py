@@ -1,8 +1,9 @@
 """Diagnosis of the matched control (docs/study.md "Status"): how well does a model act when its input is
 the persistent-history flattening, the state `memopd_persistent`'s teacher is scored on? It evaluates the model
-with the config's `eval` settings and one change, `agent.rule: full_retention` (every earlier call's output
-and observation kept in the input, nothing rewritten), by the same `memopd eval` command as rule eval.
-Compare with results/eval/MODEL/BENCHMARK.json, the same model on its own memory rule.
+with the config's `eval` settings and one change, `agent.view: persistent` (each call shown the transcript of the
+episode's exact states and responses so far: the packing compiler's persistent layout), by the same `memopd eval`
+command as rule eval. `--rule` also replaces the memory rule (e.g. full_retention, every earlier output and
+observation kept). Compare with results/eval/MODEL/BENCHMARK.json, the same model on its own exact states.
 
     python workflow/scripts/flattened_eval.py --configfile config/study.yaml --results results/study/results \
         --model teacher_sft --benchmark q2_test --out-dir /tmp/flattened
@@ -22,10 +23,11 @@ import yaml
 from memopd.agent.evaluate import per_benchmark
 
 
-def eval_cfg(cfg: dict, benchmark: str, rule: str) -> str:
-    """What rule eval passes (workflow/rules/common.smk eval_cfg), with the agent's memory rule replaced."""
+def eval_cfg(cfg: dict, benchmark: str, view: str = "persistent", rule: str | None = None) -> str:
+    """What rule eval passes (workflow/rules/common.smk eval_cfg), with the agent's view (and memory rule) replaced."""
     ev = {k: per_benchmark(v, benchmark) for k, v in cfg["eval"].items() if k not in ("models", "benchmarks")}
-    return json.dumps({"agent": {**cfg["agent"], "rule": rule}, "rollout": cfg["rollout"], "eval": ev}, sort_keys=True)
+    agent = {**cfg["agent"], "view": view, "rule": rule or cfg["agent"]["rule"]}
+    return json.dumps({"agent": agent, "rollout": cfg["rollout"], "eval": ev}, sort_keys=True)
 
 
 def searches_per_episode(episodes: Path) -> dict[int, int]:
@@ -47,18 +49,19 @@ def main() -> None:
     ap.add_argument("--results", required=True, help="that workflow's results/ directory")
     ap.add_argument("--model", required=True, help="a model under RESULTS/models/")
     ap.add_argument("--benchmark", default="q2_test")
-    ap.add_argument("--rule", default="full_retention", help="the memory rule to evaluate under")
+    ap.add_argument("--view", default="persistent", help="what the model is shown: persistent | exact")
+    ap.add_argument("--rule", help="the memory rule to evaluate under (default: the config's)")
     ap.add_argument("--out-dir", required=True)
     a = ap.parse_args()
     cfg = yaml.safe_load(Path(a.configfile).read_text())
     res = Path(a.results)
-    cmd = [sys.executable, "-m", "memopd.cli", "eval", "--cfg", eval_cfg(cfg, a.benchmark, a.rule),
+    cmd = [sys.executable, "-m", "memopd.cli", "eval", "--cfg", eval_cfg(cfg, a.benchmark, a.view, a.rule),
            "--seed", str(cfg["seed"]), "--model", str(res / "models" / a.model),
            "--benchmark", str(res / "benchmarks" / f"{a.benchmark}.parquet"), "--index", str(res / "retrieval" / "index"),
            "--out-dir", str(Path(a.out_dir) / a.model)]
     subprocess.run(cmd, check=True)
     out = Path(a.out_dir) / a.model / a.benchmark
-    print(f"{a.model} on {a.benchmark} under {a.rule}: "
+    print(f"{a.model} on {a.benchmark}, view {a.view}, rule {a.rule or cfg['agent']['rule']}: "
           + summary(json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".episodes.parquet")))
     own = res / "eval" / a.model / a.benchmark
     if own.with_suffix(".json").exists():

@@ -21,10 +21,11 @@ from memopd.agent.protocol import (Action, Observation, Task, invalid_text, pars
                                    prefix_ids, token_prefix_len)
 from memopd import metrics
 from memopd.progress import Progress
-from memopd.records import Episode, Invocation, Retained
+from memopd.records import Episode, Invocation, Retained, flatten_history
 from memopd.retrieval.base import Retriever, format_passages
 
 END_REASONS = ("answer", "invalid", "turn_budget", "context_overflow")
+VIEWS = ("exact", "persistent")
 
 
 @dataclass
@@ -43,10 +44,16 @@ class AgentConfig:
     max_query_chars: int = 512
     reward: str = "em"  # "em" or "f1" of the final answers
     batch_size: int = 16
+    # what the model is shown at each call: "exact" (the memory rule's state) or "persistent" (the history of the
+    # episode's exact states and responses as one transcript, records.flatten_history: the state memopd_persistent's
+    # teacher is scored on); recorded as shown
+    view: str = "exact"
 
     def __post_init__(self):
         if self.invalid_action not in ("end", "continue"):
             raise ValueError(f"invalid_action must be 'end' or 'continue', not {self.invalid_action!r}")
+        if self.view not in VIEWS:
+            raise ValueError(f"view must be one of {VIEWS}, not {self.view!r}")
         if self.reward not in ("em", "f1"):
             raise ValueError(f"reward must be 'em' or 'f1', not {self.reward!r}")
         if "default" not in self.turns:
@@ -80,8 +87,9 @@ class _State:
     task: Task
     prefix: list[int]
     max_turns: int
-    next_input: list[int]
+    next_input: list[int]  # what the model is shown at the next call (AgentConfig.view)
     next_retained: list[Retained] = field(default_factory=list)
+    states: list[list[int]] = field(default_factory=list)  # the memory rule's exact state of every call so far
     invocations: list[Invocation] = field(default_factory=list)
     history: list[Turn] = field(default_factory=list)
     actions: list[Action] = field(default_factory=list)
@@ -135,6 +143,17 @@ def _finish(s: _State, cfg: AgentConfig) -> Episode:
     return ep.validate()
 
 
+def _shown(s: _State, state: list[int], retained: list[Retained], view: str) -> tuple[list[int], list[Retained]]:
+    """The next call's input as the model is shown it, and its provenance: the memory rule's `state` itself, or
+    (view "persistent") the transcript of every exact state and response so far, `state` at its end."""
+    s.states.append(state)
+    if view == "exact":
+        return state, retained
+    ids, spans = flatten_history(len(s.prefix), s.states, [inv.output_ids for inv in s.invocations])
+    shift = len(ids) - len(state)  # the exact state's tokens after the prefix sit at the end of the transcript
+    return ids, spans + [Retained(r.src_call, r.src_start, r.dst_start + shift, r.length) for r in retained]
+
+
 def rollout(tasks: list[Task], backend, tokenizer, retriever: Retriever, cfg: AgentConfig, seed: int = 0,
             progress: bool = True, stats: dict | None = None, indices: list[int] | None = None,
             label: str = "") -> list[Episode]:
@@ -156,7 +175,7 @@ def rollout(tasks: list[Task], backend, tokenizer, retriever: Retriever, cfg: Ag
             i = queue.popleft()
             budget = cfg.max_turns(tasks[i].benchmark)
             q = prefix_ids(tokenizer, tasks[i], budget)
-            active.append(_State(i, tasks[i], q, budget, next_input=list(q)))
+            active.append(_State(i, tasks[i], q, budget, next_input=list(q), states=[list(q)]))
         t = time.perf_counter()
         gens = backend.generate([s.next_input for s in active],
                                 [call_seed(seed, s.index if indices is None else indices[s.index], s.task.task_id,
@@ -186,7 +205,7 @@ def rollout(tasks: list[Task], backend, tokenizer, retriever: Retriever, cfg: Ag
             out = s.invocations[-1].output_ids
             think_len = token_prefix_len(tokenizer, out, a.think_end) if a.think_end else 0
             s.history.append(Turn(out, think_len, o))
-            s.next_input, s.next_retained = build_input(s.prefix, s.history, cfg.memory)
+            s.next_input, s.next_retained = _shown(s, *build_input(s.prefix, s.history, cfg.memory), cfg.view)
             if len(s.next_input) > cfg.max_input_tokens:
                 s.end_reason = "context_overflow"  # never truncate a state: end the episode instead
         still = []

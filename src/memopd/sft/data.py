@@ -13,7 +13,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 from memopd.packing import PackingLimitError
-from memopd.records import Episode, Invocation
+from memopd.records import Episode, Invocation, flatten_history
 
 
 LAYOUTS = ("exact", "persistent")  # the states an example can put a call's response in (sft.<role>.layouts)
@@ -24,11 +24,9 @@ def persistent_state(ep: Episode, t: int) -> list[int]:
     once, then every earlier call's input (after the prefix) and response, then call t's input, with running
     positions. A one-call example with this input predicts call t's response exactly as the packed transcript
     does (tests/test_sft.py)."""
-    q = ep.prefix_len
-    ids = list(ep.invocations[0].input_ids[:q])
-    for inv in ep.invocations[:t]:
-        ids += list(inv.input_ids[q:]) + list(inv.output_ids)
-    return ids + list(ep.invocations[t].input_ids[q:])
+    calls = ep.invocations
+    return flatten_history(ep.prefix_len, [list(i.input_ids) for i in calls[:t + 1]],
+                           [list(i.output_ids) for i in calls[:t]])[0]
 
 
 def turn_examples(episodes: list[Episode], min_reward: float,
