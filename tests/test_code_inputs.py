@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from memopd.codegraph import closure, code_hash, command_targets, module_files
+from memopd.codegraph import closure, code_hash, command_hash, command_targets, module_files, registration
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -70,6 +70,33 @@ def test_code_hash_follows_the_closure_and_only_it(made_up):
     h2 = code_hash("pkg.a:f", made_up, "pkg")
     (made_up / "pkg/a.py").write_text((made_up / "pkg/a.py").read_text().replace("return helper()", "return helper() or 1"))
     assert code_hash("pkg.a:f", made_up, "pkg") != h2  # f itself
+
+
+def test_a_commands_argument_defaults_are_part_of_its_hash(made_up):
+    """command_hash: the function's closure and the statements registering the command's arguments; another
+    command's registration in the same function is not part of it."""
+    _write(made_up, {"pkg/commands.py": (
+        "def f():\n    from pkg import b\n\n\ndef g():\n    import pkg.d\n\n\ndef register(cli):\n"
+        "    sp = cli.add(\"run f\", f, \"f\")\n    sp.add_argument(\"--stage\", default=\"sft\")\n"
+        "    sp = tracked(cli.add(\"run g\", g, \"g\"))\n    sp.add_argument(\"--n\", default=3)\n")})
+    assert registration("run f", made_up, "pkg").splitlines() == [
+        'sp = cli.add("run f", f, "f")', 'sp.add_argument("--stage", default="sft")']
+    assert "--n" in registration("run g", made_up, "pkg") and registration("run h", made_up, "pkg") == ""
+    f, g = command_hash("run f", made_up, "pkg"), command_hash("run g", made_up, "pkg")
+    assert f.startswith("pkg.commands:f@") and g.startswith("pkg.commands:g@")
+    text = (made_up / "pkg/commands.py").read_text()
+    (made_up / "pkg/commands.py").write_text(text.replace('default="sft"', 'default="pretrain"'))
+    assert command_hash("run f", made_up, "pkg") != f and command_hash("run g", made_up, "pkg") == g
+    (made_up / "pkg/commands.py").write_text(text.replace("default=3", "default=4"))
+    assert command_hash("run f", made_up, "pkg") == f and command_hash("run g", made_up, "pkg") != g
+
+
+def test_the_trajectory_chunks_fingerprint_the_code_that_plays_them():
+    from memopd.agent.shards import PLAYER, code_digest
+
+    mods = module_files(SRC)
+    assert {"memopd.agent.rollout", "memopd.retrieval", "memopd.data.compose", "memopd.records"} <= closure(PLAYER, mods)
+    assert code_digest() == code_hash(PLAYER, SRC)
 
 
 def test_closure_agrees_with_modulefinder():

@@ -142,6 +142,45 @@ def command_targets(src: Path, package: str = "memopd") -> dict[str, str]:
     return out
 
 
+def _adds(node: ast.AST) -> str | None:
+    """The command a statement registers (a `cli.add("<command>", ...)` call anywhere in it), or None."""
+    for n in ast.walk(node):
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "add"
+                and isinstance(n.func.value, ast.Name) and n.func.value.id == "cli" and n.args
+                and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)):
+            return n.args[0].value
+    return None
+
+
+def registration(command: str, src: Path, package: str = "memopd") -> str:
+    """The source of the statements that register `command` and its arguments: its `cli.add(...)` statement and
+    every statement after it up to the next command's (the `sp.add_argument(...)` calls with their defaults, which
+    a rule may rely on without passing the flag). Empty if no module registers it."""
+    for module, path in module_files(src, package).items():
+        text = path.read_text()
+        for fn in ast.walk(_tree(path)):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            out, inside = [], False
+            for stmt in fn.body:
+                added = _adds(stmt)
+                if added is not None:
+                    inside = added == command
+                if inside:
+                    out.append(ast.get_source_segment(text, stmt) or "")
+            if out:
+                return "\n".join(out)
+    return ""
+
+
+def command_hash(command: str, src: Path, package: str = "memopd") -> str:
+    """`code_hash` of the function running `command`, and of the statements registering its arguments (their
+    defaults are part of what the step runs): "module:function@hash"."""
+    target = command_targets(src, package)[command]
+    h = hashlib.sha256((code_hash(target, src, package) + "\0" + registration(command, src, package)).encode())
+    return f"{target}@{h.hexdigest()[:16]}"
+
+
 def package_hash(src: Path, package: str = "memopd") -> str:
     """sha256 (16 hex digits) over every module of the package, by name and content: the code of a step that
     may run any command (a nested workflow)."""

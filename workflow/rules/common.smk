@@ -37,7 +37,7 @@ PYTHON_ONLINE = 'PYTHONPATH="$MEMOPD_SRC${PYTHONPATH:+:$PYTHONPATH}" "$MEMOPD_PY
 # directory. Without a hub section (the embedded default, which never reaches the hub) nothing changes.
 sys.path.insert(0, SRC)  # this checkout's library, as the jobs run it
 try:
-    from memopd.codegraph import code_hash, command_targets, package_hash
+    from memopd.codegraph import command_hash, command_targets, package_hash
     from memopd.methods import MATCHED_METHODS, METHODS, teacher_model
     from memopd.prefetch import encodings_dir, hub_repos, localize
 finally:
@@ -99,10 +99,12 @@ def code(command):
     """`params: code=code("audit alignment")`: the function that runs the step's `memopd` command and a hash of
     the code it can import (memopd.codegraph: its import closure, read from the source). A change to that code
     changes the param, so Snakemake's params rerun trigger reruns the step and what depends on it; a change to
-    code the command never imports reruns nothing. Not tracked: the CLI's assembly (cli.py, the other
-    commands' registration), which parses arguments and computes nothing."""
-    target = COMMANDS[command]
-    return f"{target}@{code_hash(target, Path(SRC))}"
+    code the command never imports reruns nothing. The statements registering the command's arguments are part
+    of it (a default the rule does not pass is a setting of the step); the rest of the CLI's assembly (cli.py, the
+    other commands' registration) parses arguments and computes nothing."""
+    if command not in COMMANDS:
+        raise ValueError(f"code({command!r}): no such memopd command")
+    return command_hash(command, Path(SRC))
 
 
 def _job_spec(name):

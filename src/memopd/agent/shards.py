@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from memopd.records import Episode, load_episodes, save_episodes
 
 PACKAGE = Path(__file__).resolve().parents[1]
-CODE = ("agent", "retrieval", "records.py", "metrics.py")  # what plays the tasks (part of the fingerprint)
+PLAYER = "memopd.agent.trajectories:trajectories_step"  # what plays the tasks: its code is part of the fingerprint
 
 
 def shard_bounds(n: int, shards: int, shard: int) -> tuple[int, int]:
@@ -52,13 +52,11 @@ def identity(path: str | Path) -> list:
 
 
 def code_digest() -> str:
-    """sha256 of the sources in CODE: chunks played by other code are not reused."""
-    h = hashlib.sha256()
-    for name in CODE:
-        root = PACKAGE / name
-        for f in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
-            h.update(str(f.relative_to(PACKAGE)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
+    """The hash of the code PLAYER can run (memopd.codegraph: its import closure): chunks played by other code are
+    not reused."""
+    from memopd.codegraph import code_hash
+
+    return code_hash(PLAYER, PACKAGE.parent)
 
 
 def fingerprint(obj) -> str:
