@@ -45,36 +45,44 @@ def _results(root, train=TRAIN):
 
 
 def _tables_from_results(root, out):
-    cfg = json.dumps(TRAIN)
-    main(["report", "results", "--cfg", cfg, "--eval-dir", str(root / "eval"), "--out-dir", str(out / "tables"),
+    """As the workflow builds them: Tables 1-2 and the curves from the train section without matched_control
+    (workflow/rules/train.smk TRAIN_RUN), the matched control from the whole section."""
+    cfg, run = json.dumps(TRAIN), json.dumps({k: v for k, v in TRAIN.items() if k != "matched_control"})
+    main(["report", "results", "--cfg", run, "--eval-dir", str(root / "eval"), "--out-dir", str(out / "tables"),
           "--figure", str(out / "figures/f1_vs_horizon.png")])
     main(["report", "matched-control", "--cfg", cfg, "--eval-dir", str(root / "eval"),
           "--out", str(out / "tables/matched_control.csv")])
     metrics = [str(root / "train" / m / f"seed{s}" / "metrics.jsonl") for m in TRAIN["methods"] for s in TRAIN["seeds"]]
-    main(["report", "curves", "--cfg", cfg, "--metrics", *metrics, "--figure", str(out / "figures/training_curves.png"),
+    main(["report", "curves", "--cfg", run, "--metrics", *metrics, "--figure", str(out / "figures/training_curves.png"),
           "--table", str(out / "tables/training_curves.csv"), "--reward", "f1"])
 
 
 TABLES = ["multiobjective", "wikirag", "vs_student", "matched_control", "training_curves"]
 
 
+LABEL = "Controlled study (a test)"
+
+
 @pytest.fixture
-def archived(tmp_path):
+def archived(tmp_path, monkeypatch):
     _results(tmp_path / "results")
+    monkeypatch.setenv("MEMOPD_LABEL", LABEL)  # as the workflow sets it for every command of a labelled run
     main(["report", "archive", "--cfg", json.dumps(TRAIN), "--reward", "f1", "--eval-dir",
           str(tmp_path / "results/eval"), "--train-dir", str(tmp_path / "results/train"), "--out", str(tmp_path / "archive")])
     return tmp_path
 
 
-def test_tables_rebuilt_from_the_archive_alone_are_the_runs_tables(archived):
+def test_tables_rebuilt_from_the_archive_alone_are_the_runs_tables(archived, monkeypatch):
     tmp = archived
     _tables_from_results(tmp / "results", tmp / "own")
     shutil.rmtree(tmp / "results")  # nothing but the archive from here on
+    monkeypatch.delenv("MEMOPD_LABEL")  # the label comes from the archive
     main(["report", "from-archive", "--archive", str(tmp / "archive"), "--out-dir", str(tmp / "rebuilt")])
     for t in TABLES:
         own, rebuilt = (tmp / d / "tables" / f"{t}.csv" for d in ("own", "rebuilt"))
         assert rebuilt.read_bytes() == own.read_bytes(), t
-        assert (tmp / "rebuilt/tables" / f"{t}.md").read_text() == (tmp / "own/tables" / f"{t}.md").read_text(), t
+        md = (tmp / "rebuilt/tables" / f"{t}.md").read_text()
+        assert md == (tmp / "own/tables" / f"{t}.md").read_text() and md.startswith(f"*{LABEL}: "), t
     assert (tmp / "rebuilt/figures/f1_vs_horizon.png").stat().st_size > 0
     assert (tmp / "rebuilt/figures/training_curves.png").stat().st_size > 0
 
@@ -82,7 +90,7 @@ def test_tables_rebuilt_from_the_archive_alone_are_the_runs_tables(archived):
 def test_the_archive_keeps_what_the_tables_read_and_records_its_source(archived):
     tmp = archived
     m = read_archive(tmp / "archive")
-    assert m["train"] == TRAIN and m["reward"] == "f1" and m["format"] == 1
+    assert m["train"] == TRAIN and m["reward"] == "f1" and m["format"] == 1 and m["label"] == LABEL
     assert len(m["commit"]) >= 7 and m["created"].startswith("20")
     ev = json.loads((tmp / "archive/eval/memopd_seed3/q2_test.json").read_text())
     own = json.loads((tmp / "results/eval/memopd_seed3/q2_test.json").read_text())
@@ -98,6 +106,11 @@ def test_the_archive_keeps_what_the_tables_read_and_records_its_source(archived)
     main(["report", "archive", "--cfg", json.dumps(TRAIN), "--reward", "f1", "--eval-dir", str(tmp / "results/eval"),
           "--train-dir", str(tmp / "results/train"), "--out", str(tmp / "archive")])
     assert all(p.read_bytes() == b for p, b in before.items())  # the same runs, the same bytes
+    fewer = {**TRAIN, "seeds": [0, 1, 2, 3, 4], "matched_control": {"seeds": [0, 1], "benchmark": "q2_test"}}
+    main(["report", "archive", "--cfg", json.dumps(fewer), "--reward", "f1", "--eval-dir", str(tmp / "results/eval"),
+          "--train-dir", str(tmp / "results/train"), "--out", str(tmp / "archive")])
+    m = read_archive(tmp / "archive")
+    assert not [f for f in m["files"] if "seed5" in f] and not list((tmp / "archive").rglob("*seed5*"))
 
 
 def test_a_changed_or_missing_file_is_named(archived, capsys):

@@ -139,13 +139,13 @@ def _welch_by_hand(base, other):
 def _split_loop(base, other):
     pool, n2 = base + other, len(other)
     obs = abs(sum(other) / n2 - sum(base) / len(base))
-    hits = total = 0
+    diffs = []
     for idx in itertools.combinations(range(len(pool)), n2):
         o = [pool[i] for i in idx]
         b = [pool[i] for i in range(len(pool)) if i not in idx]
-        hits += abs(sum(o) / len(o) - sum(b) / len(b)) >= obs - 1e-12
-        total += 1
-    return hits / total, total
+        diffs.append(abs(sum(o) / len(o) - sum(b) / len(b)))
+    top = max(diffs)
+    return sum(d >= obs - 1e-12 for d in diffs) / len(diffs), sum(d >= top - 1e-12 for d in diffs) / len(diffs)
 
 
 @pytest.mark.parametrize("base,other", [([0.1, 0.2, 0.15, 0.3, 0.25], [0.3, 0.35, 0.32, 0.4, 0.38]),
@@ -155,9 +155,8 @@ def test_welch_test_against_the_formula_and_every_split(base, other):
     t = S.welch_test(base, other)
     diff, lo, hi = _welch_by_hand(base, other)
     assert (t.diff, t.ci_low, t.ci_high) == pytest.approx((diff, lo, hi), rel=1e-9, abs=1e-12)
-    p, splits = _split_loop(base, other)
-    assert t.p == pytest.approx(p, abs=1e-12)
-    assert t.p_min == pytest.approx((2 if len(base) == len(other) else 1) / splits)
+    p, p_min = _split_loop(base, other)
+    assert t.p == pytest.approx(p, abs=1e-12) and t.p_min == pytest.approx(p_min, abs=1e-12)
 
 
 def test_welch_test_far_apart_reaches_the_smallest_p_and_random_splits_agree(monkeypatch):
@@ -169,6 +168,30 @@ def test_welch_test_far_apart_reaches_the_smallest_p_and_random_splits_agree(mon
     approx = S.welch_test(b, o)
     assert approx.p == pytest.approx(exact.p, abs=0.005) and "random splits" in approx.test
     assert approx.p_min == pytest.approx(1 / (S.RANDOM_SPLITS + 1))
+
+
+def test_the_smallest_p_counts_zeros_and_ties_and_nan_is_no_test():
+    # a zero difference keeps its |value| whatever its sign: 2 of 16 patterns -> 4 of 16 reach the extreme
+    d = [0.0, 0.1, 0.2, 0.3]
+    t = S.one_sample_test(d)
+    assert t.p_min == pytest.approx(0.25) and t.p == pytest.approx(_sign_flip_loop(d)) == pytest.approx(0.25)
+    assert S.one_sample_test([0.0, 0.0, 0.0]).p_min == 1.0
+    # ties: the largest |difference of means| over every split, by a plain loop, and the share reaching it
+    base, other = [1.0, 1.0, 2.0], [2.0, 3.0, 3.0]
+    pool = base + other
+    diffs = []
+    for idx in itertools.combinations(range(6), 3):
+        o = [pool[i] for i in idx]
+        b = [pool[i] for i in range(6) if i not in idx]
+        diffs.append(abs(sum(o) / 3 - sum(b) / 3))
+    top = max(diffs)
+    w = S.welch_test(base, other)
+    assert w.p_min == pytest.approx(sum(x >= top - 1e-12 for x in diffs) / 20) == pytest.approx(0.2)
+    assert w.p == pytest.approx(0.2)  # the observed split is the extreme one
+    for t in (S.one_sample_test([0.1, float("nan"), 0.2]), S.welch_test([0.1, 0.2], [float("nan"), 0.3])):
+        assert t.p != t.p and "not a number" in t.test
+        assert S.noise_verdict(t.ci_low, t.ci_high, t.p) == "no test"
+    assert S.noise_verdict(float("nan"), float("nan"), 0.01) == "no test"
 
 
 def test_compare_seeds_pairs_only_the_same_seeds():
@@ -210,7 +233,7 @@ def test_noise_verdict_words():
     assert S.noise_verdict(-0.01, 0.05, 0.04) == "suggestive"  # the interval holds 0
     assert S.noise_verdict(0.01, 0.05, 0.05) == "outside the noise" and S.noise_verdict(-0.05, -0.01, 0.1) == "suggestive"
     assert S.noise_verdict(0.01, 0.05, 0.11) == "inside the noise"
-    assert S.noise_verdict(float("nan"), float("nan"), float("nan")).startswith("no test")
+    assert S.noise_verdict(float("nan"), float("nan"), float("nan")) == "no test"
 
 
 def test_paired_bca_over_tasks():

@@ -191,11 +191,11 @@ def test_result_tables_quote_the_paper_and_give_a_verdict_per_comparison():
     notes = {n.split(")")[0] + ")": n for n in table_notes(rows)}
     assert set(notes) == {f"Finding ({m} vs ppo, {h}, f1)" for m in ("memopd", "memopd_persistent") for h in ("Q2", "Q8")}
     assert "paper +14.3%; outside the noise, the same direction as the paper" in notes["Finding (memopd vs ppo, Q2, f1)"]
-    assert "primary, not adjusted; 8 comparisons in the table; 6 seeds" in notes["Finding (memopd vs ppo, Q2, f1)"]
+    assert "primary (2 in the table), not adjusted; 8 comparisons in the table; 6 seeds" in notes["Finding (memopd vs ppo, Q2, f1)"]
     assert "exact p 0.0312 (smallest possible 0.0312)" in notes["Finding (memopd vs ppo, Q2, f1)"]
-    assert "(secondary)" in notes["Finding (memopd vs ppo, Q8, f1)"]
+    assert "(secondary, over 6)" in notes["Finding (memopd vs ppo, Q8, f1)"]
     # below ppo on every seed (p 2/64 alone), but one of 6 secondary comparisons: Holm p 0.1875
-    assert "Holm-adjusted p 0.1875 (secondary)" in notes["Finding (memopd vs ppo, Q8, f1)"]
+    assert "Holm-adjusted p 0.1875 (secondary, over 6)" in notes["Finding (memopd vs ppo, Q8, f1)"]
     assert "paper +283.2%; inside the noise" in notes["Finding (memopd vs ppo, Q8, f1)"]
     assert "no paper figure; inside the noise" in notes["Finding (memopd_persistent vs ppo, Q2, f1)"]
     q16 = {("ppo", "q16_test"): [100.0, 110.0, 104.0, 98.0, 107.0, 101.0], ("memopd", "q16_test"): [80.0, 90.0, 85.0, 79.0, 88.0, 81.0]}
@@ -204,7 +204,7 @@ def test_result_tables_quote_the_paper_and_give_a_verdict_per_comparison():
     peak = next(n for n in notes if "peak_context_tokens" in n)  # not EM/F1, but the paper reports it: -33.0%
     assert peak.startswith("Finding (memopd vs ppo, Q16, peak_context_tokens): -18.9% ") and "paper -33.0%" in peak
     # no primary (no trained horizon given): both comparisons secondary, Holm p 2 x 2/64 = 0.0625
-    assert "Holm-adjusted p 0.0625 (secondary)" in peak
+    assert "Holm-adjusted p 0.0625 (secondary, over 2)" in peak
     assert "suggestive only (not outside the noise), the same direction as the paper" in peak
     welch = {("ppo", "q2_test"): {s: {"f1": v} for s, v in enumerate(ppo)},
              ("memopd", "q2_test"): {s + 10: {"f1": v + 0.2} for s, v in enumerate(ppo)}}  # other seeds: unpaired
@@ -212,7 +212,7 @@ def test_result_tables_quote_the_paper_and_give_a_verdict_per_comparison():
     assert "Welch 95% CI" in note and "exact p 0.0022" in note and "1 comparison in" in note  # 2 / C(12, 6): no overlap
     one = {("ppo", "q2_test"): {0: {"f1": 0.2}}, ("memopd", "q2_test"): {0: {"f1": 0.3}}}
     [note] = table_notes(table_rows(one, ["ppo", "memopd"], {"q2_test": "Q2"}, ["f1"]))
-    assert "(difference +0.1000; no test; 1 seed); paper +14.3%; one seed: no test" in note
+    assert "(difference +0.1000; no test (one value); 1 seed); paper +14.3%; no test (one seed" in note
 
 
 def test_a_rank_share_of_a_batch_samples_the_single_process_episodes(setup):

@@ -81,12 +81,15 @@ def sign_flip_p(values: list[float]) -> float:
 
 
 def one_sample_test(values: list[float], level: float = 0.95) -> SeedTest:
-    """One value per seed against 0: the mean, its t interval, the exact sign-flip p (smallest 2 / 2^n)."""
+    """One value per seed against 0: the mean, its t interval, the exact sign-flip p. The smallest p these values
+    can reach: 2^(1 + z) / 2^n with z of them 0 (a zero's sign changes nothing). A NaN value: no test."""
     n = len(values)
-    if n < 2:
-        return SeedTest(values[0] if values else NAN, NAN, NAN, NAN, NAN, n, "one value: no test")
+    if n < 2 or not all(math.isfinite(v) for v in values):
+        why = "one value" if n < 2 else "a value is not a number"
+        return SeedTest(statistics.fmean(values) if values else NAN, NAN, NAN, NAN, NAN, n, why)
     lo, hi = t_interval(values, level)
-    return SeedTest(statistics.fmean(values), lo, hi, sign_flip_p(values), 2.0 ** (1 - n), n,
+    zeros = sum(v == 0 for v in values)
+    return SeedTest(statistics.fmean(values), lo, hi, sign_flip_p(values), min(1.0, 2.0 ** (1 + zeros - n)), n,
                     f"t interval, exact sign-flip p over {2 ** n} sign patterns")
 
 
@@ -95,7 +98,7 @@ def paired_test(base: list[float], other: list[float], level: float = 0.95) -> S
     if len(base) != len(other):
         raise ValueError(f"paired_test needs equally many values on both sides, got {len(base)} and {len(other)}")
     t = one_sample_test([o - b for b, o in zip(base, other)], level)
-    return SeedTest(t.diff, t.ci_low, t.ci_high, t.p, t.p_min, t.n, "paired " + t.test)
+    return SeedTest(t.diff, t.ci_low, t.ci_high, t.p, t.p_min, t.n, t.test if math.isnan(t.p) else "paired " + t.test)
 
 
 def split_sums(values: list[float], k: int):
@@ -109,11 +112,12 @@ def split_sums(values: list[float], k: int):
     return sums[sizes == k]
 
 
-def permutation_p(base: list[float], other: list[float], seed: int = 0) -> tuple[float, int, bool]:
-    """(p, splits, exact): two-sided permutation p of mean(other) - mean(base), the share of the splits of the
-    pooled values into groups of these sizes whose |difference of means| reaches the observed one. Every split
+def permutation_p(base: list[float], other: list[float], seed: int = 0) -> tuple[float, float, int, bool]:
+    """(p, smallest p, splits, exact): two-sided permutation p of mean(other) - mean(base), the share of the splits
+    of the pooled values into groups of these sizes whose |difference of means| reaches the observed one, and the
+    smallest p these values can reach (the share reaching the largest |difference|: ties raise it). Every split
     while the pool has <= EXACT_POOL values (12 + 12 seeds), else RANDOM_SPLITS random ones from `seed`
-    (scipy.stats.permutation_test)."""
+    (scipy.stats.permutation_test; smallest p 1 / (RANDOM_SPLITS + 1))."""
     import numpy as np
     from scipy import stats
 
@@ -124,31 +128,33 @@ def permutation_p(base: list[float], other: list[float], seed: int = 0) -> tuple
         s = split_sums(pool, n2)
         diffs = np.abs(s / n2 - (total - s) / n1)
         # a difference equal to the observed one up to rounding counts as reaching it (as scipy's tolerance)
-        return float(np.mean(diffs >= observed * (1 - 1e-12))), splits, True
+        return (float(np.mean(diffs >= observed * (1 - 1e-12))), float(np.mean(diffs >= diffs.max() * (1 - 1e-12))),
+                splits, True)
     res = stats.permutation_test((np.asarray(other, float), np.asarray(base, float)),
                                  lambda x, y, axis: np.abs(np.mean(x, axis=axis) - np.mean(y, axis=axis)),
                                  permutation_type="independent", alternative="greater", vectorized=True,
                                  n_resamples=RANDOM_SPLITS, rng=np.random.default_rng(seed))
-    return float(res.pvalue), splits, False
+    return float(res.pvalue), 1.0 / (RANDOM_SPLITS + 1), splits, False
 
 
 def welch_test(base: list[float], other: list[float], level: float = 0.95, seed: int = 0) -> SeedTest:
     """mean(other) - mean(base) of two independent samples: Welch's interval (scipy.stats.ttest_ind) and the
     permutation p (permutation_p). The smallest p of an exact test: 2 / splits with equal sizes (a split and its
-    mirror give the same |difference|), else 1 / splits."""
+    mirror give the same |difference|), else 1 / splits, raised by ties (permutation_p). A NaN value: no test."""
     from scipy import stats
 
     n1, n2 = len(base), len(other)
     diff = statistics.fmean(other) - statistics.fmean(base) if n1 and n2 else NAN
     if n1 < 2 or n2 < 2:
-        return SeedTest(diff, NAN, NAN, NAN, NAN, n1 + n2, "fewer than 2 values on a side: no test")
+        return SeedTest(diff, NAN, NAN, NAN, NAN, n1 + n2, "fewer than 2 values on a side")
+    if not all(math.isfinite(v) for v in (*base, *other)):
+        return SeedTest(diff, NAN, NAN, NAN, NAN, n1 + n2, "a value is not a number")
     if statistics.pvariance(base) == 0 and statistics.pvariance(other) == 0:
         lo = hi = diff
     else:
         ci = stats.ttest_ind(other, base, equal_var=False).confidence_interval(level)
         lo, hi = float(ci.low), float(ci.high)
-    p, splits, exact = permutation_p(base, other, seed)
-    p_min = (2.0 if n1 == n2 else 1.0) / splits if exact else 1.0 / (RANDOM_SPLITS + 1)
+    p, p_min, splits, exact = permutation_p(base, other, seed)
     how = f"every one of {splits} splits" if exact else f"{RANDOM_SPLITS} random splits of {splits}"
     return SeedTest(diff, lo, hi, p, p_min, n1 + n2, f"Welch interval, permutation p over {how}")
 
@@ -174,9 +180,9 @@ def holm(pvalues: list[float]) -> list[float]:
 
 def noise_verdict(ci_low: float, ci_high: float, p: float) -> str:
     """'outside the noise' (the interval excludes 0 and p <= ALPHA), 'suggestive' (p <= SUGGESTIVE otherwise),
-    'inside the noise', or 'no test' (NaN p: one seed)."""
-    if math.isnan(p):
-        return "no test (1 seed)"
+    'inside the noise', or 'no test' (a NaN p or interval end: one seed, or a value that is not a number)."""
+    if any(math.isnan(v) for v in (ci_low, ci_high, p)):
+        return "no test"
     if not ci_low <= 0 <= ci_high and p <= ALPHA:
         return "outside the noise"
     return "suggestive" if p <= SUGGESTIVE else "inside the noise"

@@ -1,11 +1,11 @@
 """A small archive of a finished set of training runs, to commit: every evaluation the result tables read
-(scalar scores and per-task EM/F1) and every run's per-step training metrics, with the config and commit they
-came from. Tables 1-2, vs_student, the matched control and the training-curve table rebuild from it alone
+(scalar scores, and per-task EM/F1 of every evaluation) and every run's per-step training metrics (the matched
+control's runs too), with the config, label and commit they came from. Tables 1-2, vs_student, the matched control and the training-curve table rebuild from it alone
 (`memopd report from-archive`), without rerunning anything.
 
 Layout (the results/ layout, so the report commands read it unchanged):
     archive.json                                  manifest: format, commit, created, the `train` config, the reward,
-                                                  every file with its SHA-256
+                                                  the run's label (captions), every file with its SHA-256
     eval/{model}/{benchmark}.json                 the evaluation's scalar scores (its nested config and timings left out)
     eval/{model}/{benchmark}.csv                  per task: task_id, em, f1
     train/{method}/seed{seed}/metrics.jsonl.gz    every logged step, line for line (gzip without a timestamp)
@@ -17,6 +17,7 @@ import datetime
 import gzip
 import hashlib
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -29,9 +30,10 @@ TASK_COLUMNS = ("task_id", "em", "f1")
 
 
 def contents(train: dict) -> tuple[list[tuple[str, str]], list[tuple[str, int]]]:
-    """What the result tables of the `train` config section read: ([(model, benchmark)], [(method, seed)]):
-    every run on every horizon, the SFT student and teacher on every horizon, the matched control's runs on its
-    benchmark; the training metrics of every run of train.methods x train.seeds and of the matched control."""
+    """What the archive keeps of the `train` config section's runs: ([(model, benchmark)], [(method, seed)]): every
+    run on every horizon, the SFT student and teacher on every horizon, the matched control's runs on its
+    benchmark (what the result tables read); the training metrics of every run of train.methods x train.seeds (the
+    curves) and of the matched control's runs."""
     horizons = list(train["horizons"])
     mc = train.get("matched_control") or {}
     mc_seeds, mc_bench = mc.get("seeds", train["seeds"]), mc.get("benchmark", "q2_test")
@@ -77,9 +79,10 @@ def _copy_tasks(src: Path, dst: Path) -> None:
 
 
 def write_archive(train: dict, reward: str, eval_dir: str | Path, train_dir: str | Path, out: str | Path,
-                  commit: str) -> dict:
-    """Copy what `contents(train)` names from `eval_dir` / `train_dir` into `out` and write its manifest (last,
-    so an interrupted archive has none). A missing file is named before anything is written."""
+                  commit: str, label: str = "") -> dict:
+    """Copy what `contents(train)` names from `eval_dir` / `train_dir` into `out` (replacing its eval/ and train/)
+    and write its manifest (last, so an interrupted archive has none). A missing file is named before anything is
+    written. `label`: the run's label, which prefixes its captions (memopd.report.tables.LABEL_VAR)."""
     eval_dir, train_dir, out = Path(eval_dir), Path(train_dir), Path(out)
     evals, runs = contents(train)
     sources = [eval_dir / m / f"{b}{ext}" for m, b in evals for ext in (".json", ".csv")]
@@ -88,6 +91,8 @@ def write_archive(train: dict, reward: str, eval_dir: str | Path, train_dir: str
     if missing:
         raise FileNotFoundError(f"cannot archive: {len(missing)} missing, e.g. {missing[0]}")
     (out / MANIFEST).unlink(missing_ok=True)
+    for old in ("eval", "train"):  # an earlier archive's runs are not this one's
+        shutil.rmtree(out / old, ignore_errors=True)
     for model, bench in evals:
         d = out / "eval" / model
         d.mkdir(parents=True, exist_ok=True)
@@ -101,7 +106,7 @@ def write_archive(train: dict, reward: str, eval_dir: str | Path, train_dir: str
             f.write((train_dir / method / f"seed{seed}" / "metrics.jsonl").read_bytes())
     files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
     manifest = {"format": FORMAT, "commit": commit, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds"), "train": train, "reward": reward,
+                timespec="seconds"), "train": train, "reward": reward, "label": label,
                 "files": {str(p.relative_to(out)): _sha256(p) for p in files}}
     write_json(out / MANIFEST, manifest)
     return manifest

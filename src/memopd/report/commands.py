@@ -111,25 +111,40 @@ def curves_table(cfg: dict, metrics: list, figure: str | Path, table: str | Path
 
 def cmd_report_archive(args, cfg):
     """An archive of the runs' evaluations and training metrics (memopd.report.archive), to commit."""
+    import os
+
     from memopd.report.archive import git_commit, write_archive
+    from memopd.report.tables import LABEL_VAR
 
     require(cfg, *RESULTS_KEYS, "benchmark")
-    m = write_archive(cfg, args.reward, args.eval_dir, args.train_dir, args.out, git_commit(Path(__file__).parent))
+    m = write_archive(cfg, args.reward, args.eval_dir, args.train_dir, args.out, git_commit(Path(__file__).parent),
+                      os.environ.get(LABEL_VAR, ""))
     print(f"{len(m['files'])} files, commit {m['commit']} -> {args.out}")
 
 
 def cmd_report_from_archive(args, cfg):
     """Tables 1-2, vs_student, the F1-vs-horizon figure, the matched control and the training-curve table from an
-    archive alone (its files checked against their SHA-256 first)."""
+    archive alone (its files checked against their SHA-256 first), captioned with the run's label."""
+    import os
+
     from memopd.report.archive import metrics_files, read_archive
     from memopd.report.results import matched_control_table
+    from memopd.report.tables import LABEL_VAR
 
     manifest = read_archive(args.archive)
     train, out, eval_dir = manifest["train"], Path(args.out_dir), Path(args.archive) / "eval"
-    results_tables(train, eval_dir, out / "tables", out / "figures" / "f1_vs_horizon.png")
-    matched_control_table(train, eval_dir, out / "tables" / "matched_control.csv")
-    curves_table(train, metrics_files(args.archive, manifest), out / "figures" / "training_curves.png",
-                 out / "tables" / "training_curves.csv", manifest["reward"])
+    before = os.environ.get(LABEL_VAR)
+    os.environ[LABEL_VAR] = manifest["label"]  # the archived run's captions, whatever this shell's label
+    try:
+        results_tables(train, eval_dir, out / "tables", out / "figures" / "f1_vs_horizon.png")
+        matched_control_table(train, eval_dir, out / "tables" / "matched_control.csv")
+        curves_table(train, metrics_files(args.archive, manifest), out / "figures" / "training_curves.png",
+                     out / "tables" / "training_curves.csv", manifest["reward"])
+    finally:
+        if before is None:
+            os.environ.pop(LABEL_VAR, None)
+        else:
+            os.environ[LABEL_VAR] = before
     print(f"archive {args.archive} (commit {manifest['commit']}, {manifest['created']}) -> {out}/tables, {out}/figures")
 
 

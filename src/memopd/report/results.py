@@ -52,7 +52,7 @@ PRIMARY_METRIC = "f1"  # a table's primary comparisons: this metric on the train
 FAMILY_RULE = (f"{PRIMARY_METRIC.upper()} on the trained horizon is primary, every other comparison's p is "
                f"Holm-adjusted over the table's secondary comparisons")
 # The comparison columns every table of seed-level tests shares (fill_test, mark_family)
-TEST_COLUMNS = ["p", "p_min", "p_holm", "comparisons", "role", "test"]
+TEST_COLUMNS = ["p", "p_min", "p_holm", "comparisons", "family", "role", "test"]
 COLUMNS = ["method", "horizon", "metric", "mean", "std", "ci_low", "ci_high", "rel_to_ppo_pct", "seeds",
            "diff_vs_ppo", "diff_ci_low", "diff_ci_high", *TEST_COLUMNS, "paper_rel_to_ppo_pct", "noise"]
 
@@ -127,16 +127,19 @@ def fill_test(row: dict, t: SeedTest, primary: bool) -> dict:
 
 
 def mark_family(rows: list[dict], ci: tuple[str, str]) -> list[dict]:
-    """Over the tested rows of one table (a finite or NaN `p`): `comparisons` = how many, `p_holm` = p for the
-    primary ones and Holm-adjusted over the secondary ones, `noise` = noise_verdict(interval `ci` columns, p_holm)."""
-    tested = [r for r in rows if isinstance(r.get("p"), float)]
-    secondary = [r for r in tested if r["role"] == "secondary"]
+    """Over the compared rows of one table (a `p`, NaN when there is no test): `comparisons` = how many tests the
+    table made, `family` = how many of its role's (primary or secondary), `p_holm` = p for the primary ones and
+    Holm-adjusted over the secondary ones, `noise` = noise_verdict(interval `ci` columns, p_holm)."""
+    compared = [r for r in rows if isinstance(r.get("p"), float)]
+    tested = [r for r in compared if not math.isnan(r["p"])]
+    secondary = [r for r in compared if r["role"] == "secondary"]
     for r, adj in zip(secondary, holm([r["p"] for r in secondary])):
         r["p_holm"] = adj
-    for r in tested:
+    for r in compared:
         if r["role"] == "primary":
             r["p_holm"] = r["p"]
         r["comparisons"] = len(tested)
+        r["family"] = sum(x["role"] == r["role"] for x in tested)
         r["noise"] = noise_verdict(r[ci[0]], r[ci[1]], r["p_holm"])
     return rows
 
@@ -178,10 +181,10 @@ def test_words(r: dict) -> str:
     """A Finding line's statistics: the interval (with its test), the exact p, the smallest p these seeds allow,
     and for a secondary comparison its Holm-adjusted p over the table's comparisons."""
     if math.isnan(r["p"]):
-        return f"no test; {_seeds(r['seeds'])}"
+        return f"no test ({r['test']}); {_seeds(r['seeds'])}"
     kind = "Welch" if r["test"].startswith("Welch") else "paired t"
-    holm_p = (f"Holm-adjusted p {r['p_holm']:.4f} (secondary)" if r["role"] == "secondary"
-              else "primary, not adjusted")
+    holm_p = (f"Holm-adjusted p {r['p_holm']:.4f} (secondary, over {r['family']})" if r["role"] == "secondary"
+              else f"primary ({r['family']} in the table), not adjusted")
     return (f"{kind} 95% CI {r['diff_ci_low']:+.4f} to {r['diff_ci_high']:+.4f}; exact p {r['p']:.4f} "
             f"(smallest possible {r['p_min']:.4f}); {holm_p}; {_plural(r['comparisons'], 'comparison')} in the table; "
             f"{_seeds(r['seeds'])}")
@@ -232,7 +235,9 @@ def horizon_figure(rows: list[dict], path: str | Path, metric: str = "f1") -> No
 
 
 def noise_label(lo: float, hi: float) -> str:
-    """The verdict of an interval over many tasks (no test over seeds)."""
+    """The verdict of an interval over many tasks (no test over seeds); no interval (fewer than 2 tasks): none."""
+    if math.isnan(lo) or math.isnan(hi):
+        return "no interval (fewer than 2 tasks)"
     return "inside the noise (CI contains 0)" if lo <= 0 <= hi else "outside the noise (CI excludes 0)"
 
 
@@ -254,7 +259,7 @@ def verdict(noise: str, diff: float, paper: float) -> str:
         if math.isnan(paper):
             return words
         return f"{words}, {'the same' if (diff > 0) == (paper > 0) else 'the opposite'} direction as the paper"
-    return "one seed: no test, so no claim either way"
+    return "no test (one seed, or a value that is not a number), so no claim either way"
 
 
 def paired_over_tasks(base: dict[str, float], other: dict[str, float]) -> dict:
@@ -324,7 +329,8 @@ def vs_student_notes(rows: list[dict]) -> list[str]:
     for r in rows:
         test = (f"; over seeds: t 95% CI {r['seed_ci_low']:+.3f} to {r['seed_ci_high']:+.3f}, exact p {r['p']:.4f} "
                 f"(smallest possible {r['p_min']:.4f}"
-                + (f", Holm-adjusted {r['p_holm']:.4f}" if r["role"] == "secondary" else ", primary")
+                + (f", Holm-adjusted {r['p_holm']:.4f} over {r['family']} secondary" if r["role"] == "secondary"
+                   else ", primary")
                 + f", {_plural(r['comparisons'], 'comparison')})" if r["p"] != "" else "")
         kind = "seeds and tasks" if r["seeds"] > 1 else "tasks, BCa"
         out.append(f"{r['method']} on {r['horizon']}, {r['metric']}: {r['mean']:.3f} vs the student's "
