@@ -530,22 +530,23 @@ def test_sft_repeats_config_and_its_tokens(tmp_path):
     assert stage_repeats(str(tmp_path), TrainConfig.from_section(TINY_SFT, "student"), seed=1) == []
 
 
-def test_fingerprint_keeps_its_old_value_without_repeats(examples):
+def test_fingerprint_is_what_the_run_computes_not_how_it_is_laid_out(examples):
     from dataclasses import asdict
 
     from memopd.sft.trainer import fingerprint
 
     ids = {"init": "x"}
     base = fingerprint(CFG, 0, examples, 1, ids)
-    assert fingerprint(replace(CFG, repeat_length=(1, 2)), 0, examples, 1, ids) == base  # no repeats: not hashed
-    assert fingerprint(replace(CFG, repeats=3), 0, examples, 1, ids) != base
-    old = {k: v for k, v in asdict(CFG).items() if k not in ("activation_checkpointing", "shard", "repeats",
-                                                                "repeat_length")}
-    h = hashlib.sha256(json.dumps([old, 0, 1, ids], sort_keys=True, default=str).encode())
+    for changed in (dict(repeats=3), dict(repeat_length=(1, 2)), dict(layouts=("exact", "persistent")), dict(lr=1e-3)):
+        assert fingerprint(replace(CFG, **changed), 0, examples, 1, ids) != base, changed
+    assert fingerprint(replace(CFG, activation_checkpointing=True), 0, examples, 1, ids) == base
+    assert fingerprint(replace(CFG, shard="fsdp"), 0, examples, 1, ids) != base  # its optimizer state differs
+    config = {k: v for k, v in asdict(CFG).items() if k not in ("activation_checkpointing", "shard")}
+    h = hashlib.sha256(json.dumps([config, 0, 1, ids], sort_keys=True, default=str).encode())
     for x in examples:
         inv = x.invocations[0]
         h.update(np.array(inv.input_ids + [-1] + inv.output_ids + [-2], dtype=np.int64).tobytes())
-    assert base == h.hexdigest()[:16]  # the hash a checkpoint written before the option carries
+    assert base == h.hexdigest()[:16]
 
 
 def test_copy_examples_with_a_long_context_hold_the_source_text_among_others():

@@ -78,7 +78,7 @@ def reverse_kl(student_hidden: torch.Tensor, student_head: torch.nn.Linear, teac
     Exactly: p_s and p_T are each model's softmax over its logits of the ids v < V, i.e. each model's
     full-head distribution conditioned on a real token, p(v | v < V) = p(v) / (1 - eps), eps = the mass
     on its padded rows. When the heads have equal sizes and `vocab` is None this is the full-vocabulary
-    KL of the policy itself, as before. Otherwise the padded rows are masked out of both sides: they get
+    KL of the policy itself. Otherwise the padded rows are masked out of both sides: they get
     no gradient and no weight in the KL, and KL(p_s(.|real) || p_T(.|real)) >= 0 stays a divergence that
     is 0 iff the two agree on the real ids. It equals the policy's own KL up to a factor (1 - eps_s) and
     a term log(1 - eps_s): eps_s ~ 0 for a trained model, whose padded rows are never targets.

@@ -162,7 +162,7 @@ def rce_rollouts(model, backend, tokenizer, tasks: list[Task], retriever, agent:
 def evaluate_benchmarks(cfg: dict, agent: AgentConfig, model_dir: str, benchmarks: list[str], index: str,
                         out_dir: str | Path, seed: int = 0, limit: int | None = None, tracking: str | None = None):
     """Every benchmark of one model in one process: the model, tokenizer and index load once (on the embedded
-    default, loading and imports were ~10 s of each ~12 s per-benchmark job). Writes {benchmark}.json, .csv
+    default, loading and imports take ~10 s of a ~12 s job per benchmark). Writes {benchmark}.json, .csv
     and .episodes.parquet under `out_dir`, each benchmark tracked as a child of the run that trained the model."""
     from memopd.tracking import eval_metrics, run_ref, tracked
 

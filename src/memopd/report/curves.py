@@ -92,7 +92,7 @@ def curves_figure(runs: dict[str, dict[int, list[dict]]], path: str | Path, titl
         ax.legend(fontsize=8)
     for ax in axes[-1]:
         ax.set_xlabel("training step")
-    # wrapped: a title naming every method and seed is wider than the figure and was cut at both edges
+    # wrapped: a title naming every method and seed is wider than the figure
     title = figure_title(title or "Training curves: mean over seeds, band = min-max over seeds", 120)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -170,12 +170,9 @@ def make_optimizer(model, cfg: TrainConfig, total_steps: int):
 
 def fingerprint(cfg: TrainConfig, seed: int, examples: list[Episode], world: int, identity: dict) -> str:
     """What a checkpoint must match to be resumed: config, seed, world size, data, initial model."""
-    # how the run is laid out is not what it computes: activation checkpointing never, a replica's checkpoint
-    # neither (its fingerprint stays what it was before the option existed); fsdp stores its optimizer
-    # state by parameter name, so it is resumed by fsdp runs only
+    # how the run is laid out is not what it computes: activation checkpointing and replicas (shard none) are
+    # left out; fsdp stores its optimizer state by parameter name, so it is resumed by fsdp runs only
     config = {k: v for k, v in asdict(cfg).items() if k != "activation_checkpointing" and (k, v) != ("shard", "none")}
-    if not cfg.repeats:  # no repeats: the fingerprint of a run from before the option
-        config = {k: v for k, v in config.items() if k not in ("repeats", "repeat_length")}
     h = hashlib.sha256(json.dumps([config, seed, world, identity], sort_keys=True, default=str).encode())
     for x in examples:
         inv = x.invocations[0]
