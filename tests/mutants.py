@@ -62,7 +62,7 @@ MUTANTS = [
      "return (logp_s.exp() * (logp_s - logp_t)).sum(-1)",
      "return (logp_t.exp() * (logp_t - logp_s)).sum(-1)"),
     ("persistent control scores the teacher on the exact state", PPO,
-     "teacher_pack = packed if cfg.method == \"memopd\" else pack(episode, layout=\"persistent\",",
+     "teacher_pack = packed if exact else pack(episode, layout=\"persistent\",",
      "teacher_pack = packed if True else pack(episode, layout=\"persistent\","),
     ("PPO and entropy averaged per episode", PPO,
      "denom = mb.actions if real else float(\"inf\")",
