@@ -1,6 +1,7 @@
 """The analysis scripts of workflow/scripts/ (not pipeline steps; docs/outputs.md "Analysis scripts")."""
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "workflow/scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # a dataclass looks its module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -247,3 +249,40 @@ def test_flattened_eval_counts_each_episode_once_by_its_searches(tmp_path):
     pd.DataFrame({"episode": [e for e, _ in rows], "metrics": [json.dumps({"searches": s}) for _, s in rows]}
                  ).to_parquet(tmp_path / "q2_test.episodes.parquet")
     assert fe.searches_per_episode(tmp_path / "q2_test.episodes.parquet") == {0: 1, 1: 1, 2: 2}
+
+
+def _evaluation(path: Path, f1: list[float], answered: float) -> None:
+    """An evaluation's summary JSON and per-task CSV, as rule eval writes them."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps({"f1": sum(f1) / len(f1), "answered_rate": answered,
+                                                     "episodes": len(f1)}))
+    path.with_suffix(".csv").write_text("task_id,f1\n" + "".join(f"t{i},{v}\n" for i, v in enumerate(f1)))
+
+
+def test_design_check_applies_each_threshold_at_its_edge(tmp_path):
+    dc = _load("design_check")
+    res = tmp_path / "results"
+    student_q2 = [0.4, 0.2, 0.6, 0.0] * 10
+    _evaluation(res / "eval/student_sft/q2_test", student_q2, 1.0)
+    teacher = [0.7, 0.6, 0.8, 0.4] * 10  # student + 0.3, 0.4, 0.2, 0.4
+    _evaluation(res / "eval/teacher_sft/q2_test", teacher, 1.0)
+    # long horizon: F1 exactly half of Q2's mean (0.3 -> 0.15), answered exactly half
+    student_q8 = [0.3, 0.0] * 20
+    _evaluation(res / "eval/student_sft/q8_test", student_q8, 0.5)
+    _evaluation(res / "eval/teacher_sft/q8_test", student_q8, 0.5)  # no better at Q8
+    got = {c.name: c.passed for c in dc.go_no_go(res, "q2_test", "q8_test")}
+    assert got == {"student answers q8_test": True, "student F1 q8_test / q2_test": True,
+                   "teacher - student F1 on q2_test": True, "teacher - student F1 on q8_test": False}
+    _evaluation(res / "eval/student_sft/q8_test", [0.3, 0.0] * 19 + [0.29, 0.0], 0.49)
+    got = {c.name: c.passed for c in dc.go_no_go(res, "q2_test", "q8_test")}
+    assert not got["student answers q8_test"] and not got["student F1 q8_test / q2_test"]
+    # persistent flattening: mean difference 0.019 passes, 0.021 fails (the same tasks, by hand)
+    _evaluation(tmp_path / "flat/q2_test", [v - 0.019 for v in teacher], 1.0)
+    got = {c.name: c.passed for c in dc.both_states(res, tmp_path / "flat", "q2_test")}
+    assert got == {"teacher F1 persistent - own on q2_test": True,
+                   "teacher on its own states - student on q2_test": True,
+                   "teacher on the persistent flattening - student on q2_test": True}
+    _evaluation(tmp_path / "flat/q2_test", [v - 0.021 for v in teacher], 1.0)
+    assert not dc.both_states(res, tmp_path / "flat", "q2_test")[0].passed

@@ -18,9 +18,9 @@ from collections import Counter
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from memopd.agent.evaluate import per_benchmark
+from memopd.plan.models import load_config
 
 
 def eval_cfg(cfg: dict, benchmark: str, view: str = "persistent", rule: str | None = None) -> str:
@@ -45,7 +45,8 @@ def summary(res: dict, episodes: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configfile", required=True, help="the config the models were built with")
+    ap.add_argument("--configfile", required=True, nargs="+",
+                    help="the config file(s) the models were built with (merged in order, as Snakemake merges them)")
     ap.add_argument("--results", required=True, help="that workflow's results/ directory")
     ap.add_argument("--model", required=True, help="a model under RESULTS/models/")
     ap.add_argument("--benchmark", default="q2_test")
@@ -53,7 +54,7 @@ def main() -> None:
     ap.add_argument("--rule", help="the memory rule to evaluate under (default: the config's)")
     ap.add_argument("--out-dir", required=True)
     a = ap.parse_args()
-    cfg = yaml.safe_load(Path(a.configfile).read_text())
+    cfg = load_config(a.configfile)
     res = Path(a.results)
     cmd = [sys.executable, "-m", "memopd.cli", "eval", "--cfg", eval_cfg(cfg, a.benchmark, a.view, a.rule),
            "--seed", str(cfg["seed"]), "--model", str(res / "models" / a.model),

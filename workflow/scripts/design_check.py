@@ -1,0 +1,99 @@
+"""The controlled study's design rules on dev tasks (docs/study.md "Second edition: the design rules"), checked
+from a dev run's evaluations (RESULTS/eval/{model}/{benchmark}.json and its per-task .csv):
+
+- go/no-go of a design: the SFT student answers in >= 50% of the long horizon's episodes, with F1 there >= 0.5x
+  its F1 on the training horizon; the teacher beats the student on both (paired 95% BCa interval over tasks
+  above 0);
+- the teacher that knows both states (`--persistent DIR`: the teacher's evaluation with `agent.view: persistent`,
+  written by workflow/scripts/flattened_eval.py): its F1 on the persistent flattening minus its F1 on its own
+  states within +-0.02 (the mean over the same tasks), and above the student's on both.
+
+    python workflow/scripts/design_check.py --results results/study_dev/results \
+        [--short q2_test] [--long q8_test] [--persistent /tmp/flattened/teacher_sft]
+
+Prints each condition with its figures and PASS/FAIL, and exits 0 whatever they say (a failed rule is a result).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from memopd.report.results import paired_over_tasks, task_scores
+
+ANSWERED = 0.5  # share of the long horizon's episodes the student answers
+RATIO = 0.5  # student's long-horizon F1 over its short-horizon F1
+TOLERANCE = 0.02  # teacher's F1 on the persistent flattening minus its own, at most this far from 0
+
+
+@dataclass
+class Condition:
+    name: str
+    figures: str
+    passed: bool
+
+    def line(self) -> str:
+        return f"{'PASS' if self.passed else 'FAIL'}  {self.name}: {self.figures}"
+
+
+def _eval(path: Path) -> tuple[dict, dict[str, float]]:
+    """(summary JSON, {task_id: F1}) of one evaluation."""
+    return json.loads(path.with_suffix(".json").read_text()), task_scores(path.with_suffix(".csv"), "f1")
+
+
+def _beats(name: str, base: dict[str, float], other: dict[str, float]) -> Condition:
+    pt = paired_over_tasks(base, other)
+    return Condition(name, f"{pt['diff']:+.3f} [{pt['ci_low']:+.3f}, {pt['ci_high']:+.3f}] over {pt['tasks']} tasks",
+                     pt["ci_low"] > 0)
+
+
+def go_no_go(results: Path, short: str, long: str) -> list[Condition]:
+    """The design's go/no-go conditions on the student (student_sft) and teacher (teacher_sft)."""
+    s_short, f_s_short = _eval(results / "eval" / "student_sft" / short)
+    s_long, f_s_long = _eval(results / "eval" / "student_sft" / long)
+    _, f_t_short = _eval(results / "eval" / "teacher_sft" / short)
+    _, f_t_long = _eval(results / "eval" / "teacher_sft" / long)
+    ratio = s_long["f1"] / s_short["f1"] if s_short["f1"] > 0 else float("nan")
+    return [
+        Condition(f"student answers {long}", f"{s_long['answered_rate']:.3f} of {s_long['episodes']} episodes "
+                  f"(needed >= {ANSWERED})", s_long["answered_rate"] >= ANSWERED),
+        Condition(f"student F1 {long} / {short}", f"{s_long['f1']:.3f} / {s_short['f1']:.3f} = {ratio:.2f} "
+                  f"(needed >= {RATIO})", ratio >= RATIO),
+        _beats(f"teacher - student F1 on {short}", f_s_short, f_t_short),
+        _beats(f"teacher - student F1 on {long}", f_s_long, f_t_long),
+    ]
+
+
+def both_states(results: Path, persistent: Path, short: str) -> list[Condition]:
+    """The teacher acting on the persistent flattening against its own states and against the student."""
+    t_own, f_own = _eval(results / "eval" / "teacher_sft" / short)
+    t_per, f_per = _eval(persistent / short)
+    _, f_student = _eval(results / "eval" / "student_sft" / short)
+    pt = paired_over_tasks(f_own, f_per)
+    return [
+        Condition(f"teacher F1 persistent - own on {short}",
+                  f"{t_per['f1']:.3f} - {t_own['f1']:.3f} = {pt['diff']:+.3f} [{pt['ci_low']:+.3f}, "
+                  f"{pt['ci_high']:+.3f}] over {pt['tasks']} tasks (needed within +-{TOLERANCE})",
+                  abs(pt["diff"]) <= TOLERANCE),
+        _beats(f"teacher on its own states - student on {short}", f_student, f_own),
+        _beats(f"teacher on the persistent flattening - student on {short}", f_student, f_per),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results", required=True, help="the dev run's results/ directory")
+    ap.add_argument("--short", default="q2_test", help="the training horizon's benchmark")
+    ap.add_argument("--long", default="q8_test", help="the long horizon's benchmark")
+    ap.add_argument("--persistent", help="the teacher's evaluation directory with agent.view persistent")
+    a = ap.parse_args()
+    conds = go_no_go(Path(a.results), a.short, a.long)
+    if a.persistent:
+        conds += both_states(Path(a.results), Path(a.persistent), a.short)
+    for c in conds:
+        print(c.line())
+
+
+if __name__ == "__main__":
+    main()
