@@ -286,3 +286,37 @@ def test_design_check_applies_each_threshold_at_its_edge(tmp_path):
                    "teacher on the persistent flattening - student on q2_test": True}
     _evaluation(tmp_path / "flat/q2_test", [v - 0.021 for v in teacher], 1.0)
     assert not dc.both_states(res, tmp_path / "flat", "q2_test")[0].passed
+
+
+def test_tuning_picks_the_largest_admissible_lr_then_the_smaller_regulariser():
+    tu = _load("tuning")
+    assert len(tu.points()) == 8 and {p.method for p in tu.points()} == {"ppo", "memopd"}
+    assert tu.Point("memopd", 3e-4, 1.0).overlay()["train"] == {
+        "methods": ["memopd"], "seeds": [100], "steps": 300, "lr_actor": 3e-4, "ppo": {"opd_coef": 1.0}}
+
+    def out(lr, reg, inv_first=0.02, inv_last=0.02, ci=(-0.05, 0.05)):
+        return tu.Outcome(tu.Point("ppo", lr, reg), inv_first, inv_last, 0.3, 0.0, *ci, [])
+
+    runs = [out(1e-4, 0.001), out(1e-4, 0.01), out(3e-4, 0.01), out(3e-4, 0.001, inv_last=0.13)]
+    assert runs[3].collapsed and not runs[2].collapsed  # +0.11 collapses, +0.0 does not
+    assert tu.choose(runs).point == tu.Point("ppo", 3e-4, 0.01)
+    runs[2] = out(3e-4, 0.01, ci=(-0.10, -0.01))  # greedy F1 below the student's: not admissible
+    assert tu.choose(runs).point == tu.Point("ppo", 1e-4, 0.001)
+    assert out(1e-4, 0.001, inv_last=0.12).collapsed is False  # +0.10 exactly is the limit, kept
+    assert tu.choose([out(1e-4, 0.001, ci=(-0.2, -0.1))]) is None
+
+
+def test_tuning_steps_rule_finds_where_every_chosen_curve_flattens():
+    import random
+
+    tu = _load("tuning")
+    rng = random.Random(0)
+    noise = [rng.gauss(0, 0.01) for _ in range(300)]
+    # rises by 0.2 per block until step 100 (run a) / 150 (run b), flat after: the first block boundary with a
+    # flat block on both sides is 150 (a) / 200 (b)
+    a = [min(s, 100) / 50 * 0.2 + noise[s] for s in range(300)]
+    b = [min(s, 150) / 50 * 0.2 + noise[s] for s in range(300)]
+    assert tu.steps_rule([a]) == 150 and tu.steps_rule([b]) == 200
+    assert tu.steps_rule([a, b]) == 200
+    rising = [s / 300 + noise[s] for s in range(300)]  # never flat within 300 steps
+    assert tu.steps_rule([rising]) == 300
