@@ -112,7 +112,8 @@ class ListBackend:
 def protocol_student(steps: int = 30, seed: int = 0):
     """The tiny student after a few seconds of SFT on scripted-teacher episodes (memopd.agent.teacher), so that the real HF backend
     samples protocol-shaped responses (think blocks, searches, answers) plus some invalid ones."""
-    from memopd.agent.rollout import AgentConfig, rollout
+    from memopd.agent.rollout import rollout
+    from memopd.config import AgentConfig
     from memopd.agent.teacher import ScriptedTeacher
 
     tok = tokenizer()

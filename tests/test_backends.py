@@ -212,7 +212,8 @@ def test_bench_eval_on_real_episodes():
     outcome the episodes' own call outputs, identical greedy outputs across paths."""
     from agent_support import nq_tasks, retriever
     from memopd.agent import eval_bench
-    from memopd.agent.rollout import AgentConfig, rollout
+    from memopd.agent.rollout import rollout
+    from memopd.config import AgentConfig
 
     tok, model = tokenizer(), random_student(0)
     tasks = nq_tasks(3, n_questions=2)

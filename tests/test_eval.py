@@ -86,9 +86,10 @@ def test_eval_several_benchmarks_equal_separate_runs(tmp_path, monkeypatch):
 
 def _budgets(cfg: dict) -> dict[str, int]:
     """Effective evaluation response budget per benchmark (what memopd eval samples with)."""
-    from memopd.agent.evaluate import eval_overrides, make_sampling
+    from memopd.agent.evaluate import make_sampling
+    from memopd.config import eval_overrides, rollout_config
 
-    return {b: make_sampling(cfg["rollout"], **eval_overrides(cfg["eval"], b)).max_new_tokens
+    return {b: make_sampling(rollout_config(cfg), **eval_overrides(cfg["eval"], b)).max_new_tokens
             for b in cfg["eval"]["benchmarks"]}
 
 
@@ -196,14 +197,20 @@ def test_config_sections_build(cfg_file):
     import yaml
 
     from agent_support import ROOT
-    from memopd.agent.rollout import AgentConfig
+    from memopd.config import AgentConfig, RolloutConfig, rollout_config
 
     cfg = yaml.safe_load((ROOT / cfg_file).read_text())
     agent = AgentConfig.from_dict(cfg["agent"], batch_size=cfg["rollout"]["batch_size"])
     assert agent.max_turns("q16_test") > agent.max_turns("q8_test") > agent.max_turns("q2_test")
-    evaluate.make_sampling(cfg["rollout"])
+    ro = rollout_config(cfg)
+    assert ro.engine == cfg["rollout"]["backend"] and ro.batch_size == cfg["rollout"]["batch_size"]
+    assert evaluate.make_sampling(ro).max_new_tokens == cfg["rollout"]["max_new_tokens"]
     with pytest.raises(ValueError):
         AgentConfig.from_dict({**cfg["agent"], "bogus": 1})
+    with pytest.raises(ValueError, match="bogus"):
+        RolloutConfig.from_dict({**cfg["rollout"], "bogus": 1})
+    with pytest.raises(ValueError, match="backend"):
+        RolloutConfig.from_dict({**cfg["rollout"], "backend": "tgi"})
 
 
 def test_rce_rollouts_cli(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ lowest first:
   0 foundations    records, cost, losses, metrics, models, methods, tracking, inputs, codegraph, stats, dist, checkpoint,
                    progress
                    and the package's own __init__ (no memopd import at all)
-  1 layout         packing, vocab, prefetch
+  1 layout, config packing, vocab, prefetch, config (the typed config sections: on inputs' errors)
   2 exact forward  attention
   3 on the forward rce, parallel
   4 data, reports  data, report
@@ -34,9 +34,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "memopd"
 
 FLOORS = [
-    ("foundations", {"memopd", "records", "cost", "losses", "metrics", "models", "methods", "tracking", "inputs", "codegraph",
-                     "stats", "dist", "checkpoint", "progress"}),
-    ("layout", {"packing", "vocab", "prefetch"}),
+    ("foundations", {"memopd", "records", "cost", "losses", "metrics", "models", "methods", "tracking", "inputs",
+                     "codegraph", "stats", "dist", "checkpoint", "progress"}),
+    ("layout, config", {"packing", "vocab", "prefetch", "config"}),
     ("exact forward", {"attention"}),
     ("on the forward", {"rce", "parallel"}),
     ("data, reports", {"data", "report"}),

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memopd.agent.memory import RULES, MemoryConfig, Turn, build_input
+from memopd.agent.memory import Turn, build_input
+from memopd.config import RULES, MemoryConfig
 from memopd.packing import ACTION, CONTEXT, pack
 from memopd.records import Episode, Invocation, Retained
 

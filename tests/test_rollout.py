@@ -9,8 +9,9 @@ import torch
 
 from agent_support import ListBackend, nq_tasks, protocol_student, retriever, tokenizer
 from memopd.agent.backends import HFBackend, Sampling
-from memopd.agent.memory import RULES
-from memopd.agent.rollout import AgentConfig, rollout
+from memopd.config import RULES
+from memopd.agent.rollout import rollout
+from memopd.config import AgentConfig
 from memopd.agent.teacher import ScriptedTeacher
 from memopd.attention import BACKENDS, independent_logits, token_logprobs
 from memopd.packing import pack

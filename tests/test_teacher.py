@@ -18,7 +18,8 @@ import torch
 from agent_support import ListBackend, ROOT, nq_tasks, random_student, retriever, tokenizer
 from memopd.agent.llm_teacher import LLMConfig, LLMTeacher, completion_generation, cut_after_action
 from memopd.agent.protocol import Task, parse_response, prefix_ids
-from memopd.agent.rollout import AgentConfig, rollout
+from memopd.agent.rollout import rollout
+from memopd.config import AgentConfig
 from memopd.agent.teacher import ScriptedConfig, ScriptedTeacher, _find, evidence, keywords, memory_claims, passages
 from memopd.agent.trajectories import FILTER_PREVIEW, summarize, unsupported_claims
 from memopd.records import load_episodes

@@ -84,12 +84,13 @@ def test_weight_sync_makes_the_engine_sample_from_the_trainer_policy(tmp_path):
     argmax. The prompts are generated once before the sync, so a stale prefix cache would show. Then
     sleep mode: release (weights offloaded, KV cache dropped), sync again, still the trainer's model."""
     _vllm()
+    from memopd.config import RolloutConfig
     from memopd.train.weight_sync import WeightSync, colocated_llm, engine_model
 
     tok = tokenizer()
     random_student(7).save_pretrained(tmp_path / "init")
     tok.save_pretrained(tmp_path / "init")
-    llm = colocated_llm(tmp_path / "init", {"dtype": "bfloat16", "vllm": {"max_model_len": 1024}},
+    llm = colocated_llm(tmp_path / "init", RolloutConfig(dtype="bfloat16", vllm={"max_model_len": 1024}),
                         {"gpu_memory_utilization": 0.3, "sleep": True}, seed=0)
     policy = copy.deepcopy(protocol_student()).cuda().eval()  # the cached CPU model stays on the CPU
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in

@@ -220,7 +220,8 @@ def test_a_rank_share_of_a_batch_samples_the_single_process_episodes(setup):
     is exactly those episodes of the single-process rollout (batch_size 1: no padding effects)."""
     from agent_support import protocol_student, retriever, tokenizer
     from memopd.agent.backends import HFBackend, Sampling
-    from memopd.agent.rollout import AgentConfig, rollout
+    from memopd.agent.rollout import rollout
+    from memopd.config import AgentConfig
 
     tasks = nq_tasks(4, n_questions=2, start=60)
     agent = AgentConfig(max_observation_tokens=48, turns={"default": 3}, batch_size=1)

@@ -87,6 +87,18 @@ def test_matched_control_target_needs_exactly_its_runs(tmp_path):
     assert len(blocks["train"]) == 6 and len(blocks["matched_control"]) == 1  # 3 main runs + 3 for the control
 
 
+def test_parsing_the_workflow_imports_no_torch():
+    """The Snakefile's parse and DAG (every input function, param and resource of `all`) run in the Snakemake
+    process, on a login node too: they import memopd's light modules only (memopd.config, not a model stack)."""
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "snakemake", "all", "-n", "--forceall", "--quiet"],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
+    assert "memopd.config" in imported and "memopd.codegraph" in imported  # the probe sees the workflow's imports
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "transformers"))
+    assert not heavy, heavy[:10]
+
+
 def test_all_includes_the_matched_control_and_reuses_the_main_runs():
     """Embedded default: the control's seeds are train.seeds, so `all` trains 3 runs (1 seed x 3 methods), not
     more, and results_tables (Tables 1-2) does not write the control's table."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
+from memopd.config import RULES
 from memopd.records import Episode, Invocation, Retained
 
 def token_pool(tokenizer_dir: str, data_dir: str, n_texts: int = 200) -> list[int]:
@@ -21,9 +22,6 @@ def token_pool(tokenizer_dir: str, data_dir: str, n_texts: int = 200) -> list[in
 
     tok = load_tokenizer(tokenizer_dir)
     return [i for text in islice(corpus_texts(data_dir), n_texts) for i in tok(text)["input_ids"]]
-
-
-RULES = ("full_retention", "suffix_retention", "summary_replacement", "sliding_window", "retrieval_refresh")
 
 
 def _draw(rng: random.Random, pool: Sequence[int], n: int) -> list[int]:

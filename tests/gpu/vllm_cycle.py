@@ -45,9 +45,10 @@ def main() -> int:
         return 75
     from transformers import AutoModelForCausalLM
 
+    from memopd.config import RolloutConfig
     from memopd.train.weight_sync import WeightSync, colocated_llm
 
-    llm = colocated_llm(path, {"dtype": "bfloat16", "vllm": {"max_model_len": 4096}},
+    llm = colocated_llm(path, RolloutConfig(dtype="bfloat16", vllm={"max_model_len": 4096}),
                         {"gpu_memory_utilization": 0.3, "sleep": True}, seed=0)
     sync = WeightSync(llm, sleep=True)
     policy = AutoModelForCausalLM.from_pretrained(path, torch_dtype="float32").cuda()

@@ -38,6 +38,7 @@ PYTHON_ONLINE = 'PYTHONPATH="$MEMOPD_SRC${PYTHONPATH:+:$PYTHONPATH}" "$MEMOPD_PY
 sys.path.insert(0, SRC)  # this checkout's library, as the jobs run it
 try:
     from memopd.codegraph import command_hash, command_targets, package_hash
+    from memopd.config import eval_job_config
     from memopd.methods import MATCHED_METHODS, METHODS, teacher_model
     from memopd.prefetch import encodings_dir, hub_repos, localize
 finally:
@@ -87,12 +88,9 @@ def cfg_json(*keys):
 
 
 def eval_cfg(benchmark):
-    """What one evaluation reads: agent, rollout, and eval's settings for this benchmark only (params: a job
-    reruns when they change, so adding a benchmark or a model must not rerun the evaluations already done)."""
-    from memopd.agent.evaluate import per_benchmark
-
-    ev = {k: per_benchmark(v, benchmark) for k, v in config["eval"].items() if k not in ("models", "benchmarks")}
-    return json.dumps({"agent": config["agent"], "rollout": config["rollout"], "eval": ev}, sort_keys=True)
+    """What one evaluation reads (memopd.config.eval_job_config; params: a job reruns when they change, so adding
+    a benchmark or a model must not rerun the evaluations already done)."""
+    return json.dumps(eval_job_config(config, benchmark), sort_keys=True)
 
 
 def code(command):

@@ -19,15 +19,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from memopd.agent.evaluate import per_benchmark
+from memopd.config import eval_job_config
 from memopd.plan.models import load_config
 
 
 def eval_cfg(cfg: dict, benchmark: str, view: str = "persistent", rule: str | None = None) -> str:
     """What rule eval passes (workflow/rules/common.smk eval_cfg), with the agent's view (and memory rule) replaced."""
-    ev = {k: per_benchmark(v, benchmark) for k, v in cfg["eval"].items() if k not in ("models", "benchmarks")}
-    agent = {**cfg["agent"], "view": view, "rule": rule or cfg["agent"]["rule"]}
-    return json.dumps({"agent": agent, "rollout": cfg["rollout"], "eval": ev}, sort_keys=True)
+    return json.dumps(eval_job_config(cfg, benchmark, view=view, rule=rule or cfg["agent"]["rule"]), sort_keys=True)
 
 
 def searches_per_episode(episodes: Path) -> dict[int, int]:

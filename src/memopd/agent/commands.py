@@ -10,7 +10,8 @@ from memopd.report.tables import write_csv, write_json
 
 
 def cmd_eval(args, cfg):
-    from memopd.agent.evaluate import agent_config, evaluate_benchmarks
+    from memopd.agent.evaluate import evaluate_benchmarks
+    from memopd.config import agent_config
 
     agent = agent_config(cfg)
     stems = [Path(b).stem for b in args.benchmark]
@@ -22,7 +23,8 @@ def cmd_eval(args, cfg):
 
 
 def cmd_rce_rollouts(args, cfg):
-    from memopd.agent.evaluate import agent_config, rce_rollouts_step
+    from memopd.agent.evaluate import rce_rollouts_step
+    from memopd.config import agent_config
 
     rc = section(cfg, "rce_rollouts", "max_new_tokens", "tasks", "dtype", "backends")
     agent = agent_config(cfg)
@@ -91,7 +93,7 @@ def _bench_eval_work(args):
 
     from memopd.agent import eval_bench
     from memopd.agent.protocol import load_tasks
-    from memopd.agent.rollout import AgentConfig
+    from memopd.config import AgentConfig
     from memopd.models import load_model
     from memopd.retrieval import load_retriever
 

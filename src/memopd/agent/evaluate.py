@@ -15,66 +15,38 @@ from pathlib import Path
 import torch
 
 from memopd.agent.backends import HFBackend, Sampling, VLLMBackend
-from memopd.agent.memory import RULES
 from memopd.agent.protocol import Task, load_tasks
-from memopd.agent.rollout import AgentConfig, rollout
-from memopd.inputs import ConfigError, section
+from memopd.agent.rollout import rollout
+from memopd.config import RULES, AgentConfig, RolloutConfig, eval_overrides, per_benchmark, rollout_config
 from memopd.records import Episode, save_episodes
 from memopd.report.tables import write_csv, write_json
 from memopd.retrieval import load_retriever
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
-
-
-def make_sampling(rollout_cfg: dict, **overrides) -> Sampling:
+def make_sampling(ro: RolloutConfig, **overrides) -> Sampling:
     """Sampling parameters of the `rollout` config section, with per-step overrides (e.g. eval's greedy)."""
-    return Sampling(**{**{k: rollout_cfg[k] for k in SAMPLING_KEYS if k in rollout_cfg}, **overrides})
+    return Sampling(**ro.sampling(**overrides))
 
 
-def per_benchmark(value, bench: str):
-    """A config value given once or per benchmark file name ({name: value, default: value})."""
-    return value.get(bench, value.get("default")) if isinstance(value, dict) else value
-
-
-def eval_overrides(eval_cfg: dict, bench: str) -> dict:
-    """The sampling overrides of evaluation on `bench`: config eval temperature / max_new_tokens, each once
-    or per benchmark. null (or no key) keeps the training rollout's value (config rollout): evaluation runs
-    the protocol the policies were trained with unless the config says otherwise (a response budget below
-    training's cuts answers off, and a cut answer counts as an invalid action)."""
-    return {k: v for k in ("temperature", "max_new_tokens") if (v := per_benchmark(eval_cfg.get(k), bench)) is not None}
-
-
-def make_backend(rollout_cfg: dict, model_dir: str | Path, seed: int = 0, **sampling_overrides):
-    """The generation backend named by the `rollout` config section (`hf` or `vllm`)."""
+def make_backend(ro: RolloutConfig, model_dir: str | Path, seed: int = 0, **sampling_overrides):
+    """The generation engine named by the `rollout` config section (`hf` or `vllm`)."""
     from memopd.models import default_device, load_model, load_tokenizer
 
-    sampling = make_sampling(rollout_cfg, **sampling_overrides)
+    sampling = make_sampling(ro, **sampling_overrides)
     tok = load_tokenizer(model_dir)
-    if rollout_cfg.get("backend", "hf") == "vllm":
-        v = rollout_cfg.get("vllm", {})
-        return VLLMBackend(str(model_dir), tok, sampling, dtype=rollout_cfg.get("dtype", "bfloat16"), seed=seed,
-                           gpu_memory_utilization=v.get("gpu_memory_utilization", 0.85),
-                           max_model_len=v.get("max_model_len")), tok, None
-    device = rollout_cfg.get("device") or default_device()
-    model = load_model(model_dir, dtype=rollout_cfg.get("dtype", "float32"), device=device)
+    if ro.vllm_engine:
+        return VLLMBackend(str(model_dir), tok, sampling, dtype=ro.dtype, seed=seed,
+                           gpu_memory_utilization=ro.vllm.get("gpu_memory_utilization", 0.85),
+                           max_model_len=ro.vllm.get("max_model_len")), tok, None
+    model = load_model(model_dir, dtype=ro.dtype, device=ro.device or default_device())
     return HFBackend(model, tok, sampling), tok, model
 
 
-def agent_config(cfg: dict, **overrides) -> AgentConfig:
-    """The `agent` section as an AgentConfig, its batch size from `rollout`; a ConfigError names a bad key."""
-    batch = section(cfg, "rollout", "batch_size")["batch_size"]
-    try:
-        return AgentConfig.from_dict(section(cfg, "agent"), **{"batch_size": batch, **overrides})
-    except (TypeError, ValueError) as e:  # an unknown key, or a field without a value
-        raise ConfigError(f"config section 'agent': {e}") from None
-
-
-def load_agent(rollout_cfg: dict, model_dir: str | Path, index: str | Path, seed: int, **sampling):
+def load_agent(ro: RolloutConfig, model_dir: str | Path, index: str | Path, seed: int, **sampling):
     """(backend, tokenizer, model, retriever) of an agent step; the index opens first, so that a missing one
     is refused before the model loads."""
     retriever = load_retriever(index)
     torch.manual_seed(seed)
-    backend, tok, model = make_backend(rollout_cfg, model_dir, seed=seed, **sampling)
+    backend, tok, model = make_backend(ro, model_dir, seed=seed, **sampling)
     return backend, tok, model, retriever
 
 
@@ -166,12 +138,12 @@ def evaluate_benchmarks(cfg: dict, agent: AgentConfig, model_dir: str, benchmark
     and .episodes.parquet under `out_dir`, each benchmark tracked as a child of the run that trained the model."""
     from memopd.tracking import eval_metrics, run_ref, tracked
 
-    ev = cfg.get("eval", {})
+    ev, ro = cfg.get("eval", {}), rollout_config(cfg)
     stems = [Path(b).stem for b in benchmarks]
-    backend, tok, _, retriever = load_agent(cfg["rollout"], model_dir, index, seed, **eval_overrides(ev, stems[0]))
+    backend, tok, _, retriever = load_agent(ro, model_dir, index, seed, **eval_overrides(ev, stems[0]))
     for path, bench in zip(benchmarks, stems):
         torch.manual_seed(seed)  # as if each benchmark ran alone
-        backend.sampling = make_sampling(cfg["rollout"], **eval_overrides(ev, bench))
+        backend.sampling = make_sampling(ro, **eval_overrides(ev, bench))
         tasks = load_tasks(path, limit=limit or per_benchmark(ev.get("max_tasks"), bench))
         # a child of the run that trained the model (its id in the model directory), tagged with its method and seed
         with tracked(tracking, f"eval-{Path(model_dir).name}-{bench}", cfg, stage="eval", model=Path(model_dir).name,
@@ -205,7 +177,8 @@ def rce_rollouts_step(cfg: dict, agent: AgentConfig, model_dir: str, benchmark: 
     if rc.get("gpu_memory_utilization") is not None:  # the engine stays up while the model scores beside it
         rollout_cfg = {**rollout_cfg, "vllm": {**rollout_cfg.get("vllm", {}),
                                                "gpu_memory_utilization": rc["gpu_memory_utilization"]}}
-    backend, tok, model, retriever = load_agent(rollout_cfg, model_dir, index, seed, max_new_tokens=rc["max_new_tokens"])
+    backend, tok, model, retriever = load_agent(rollout_config({"rollout": rollout_cfg}), model_dir, index, seed,
+                                                max_new_tokens=rc["max_new_tokens"])
     tasks = load_tasks(benchmark, limit=limit or rc["tasks"])
     if model is None or str(model.dtype).split(".")[-1] != rc["dtype"]:
         # the packed and independent passes run under transformers in the audit's dtype

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memopd.config import MemoryConfig
 from memopd.records import Retained
-
-RULES = ("full_retention", "suffix_retention", "summary_replacement", "sliding_window", "retrieval_refresh")
-REFRESH_OBSERVATION = {"retrieval_refresh"}  # rules whose observation is re-retrieved at every call
 
 
 @dataclass
@@ -33,19 +31,6 @@ class Turn:
     output_ids: list[int]  # the sampled response, exactly as recorded
     think_len: int  # output_ids[:think_len] ends with the </think> of the <think> block (0: no block)
     observation: list[int]  # fresh observation ids shown after this call
-
-
-@dataclass
-class MemoryConfig:
-    rule: str = "summary_replacement"
-    suffix_tokens: int = 32  # K of suffix_retention
-    window: int = 2  # W of sliding_window
-
-    def __post_init__(self):
-        if self.rule not in RULES:
-            raise ValueError(f"unknown memory rule {self.rule!r}; choose from {RULES}")
-        if self.suffix_tokens < 1 or self.window < 1:
-            raise ValueError("suffix_tokens and window must be >= 1")
 
 
 class _Context:

@@ -11,69 +11,20 @@ reproducible and does not depend on how episodes were batched together.
 from __future__ import annotations
 
 import hashlib
-import re
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from memopd.agent.memory import REFRESH_OBSERVATION, MemoryConfig, Turn, build_input
+from memopd.agent.memory import Turn, build_input
 from memopd.agent.protocol import (Action, Observation, Task, invalid_text, parse_response,
                                    prefix_ids, token_prefix_len)
 from memopd import metrics
+from memopd.config import REFRESH_OBSERVATION, AgentConfig
 from memopd.progress import Progress
 from memopd.records import Episode, Invocation, Retained, flatten_history
 from memopd.retrieval.base import Retriever, format_passages
 
 END_REASONS = ("answer", "invalid", "turn_budget", "context_overflow")
-VIEWS = ("exact", "persistent")
-
-
-@dataclass
-class AgentConfig:
-    """The `agent` section of the config (plus `batch_size` from `rollout`)."""
-
-    rule: str = "summary_replacement"
-    suffix_tokens: int = 32
-    window: int = 2
-    turns: dict = field(default_factory=lambda: {"default": 6})  # turn budget (calls) per benchmark
-    invalid_action: str = "end"  # "end": an invalid action ends the episode; "continue": it is told and goes on
-    invalid_penalty: float = 0.0  # subtracted from the reward per invalid action
-    top_k: int = 3  # passages per search
-    max_observation_tokens: int = 256  # cut of the passages' tokens in one observation
-    max_input_tokens: int = 3072  # an input longer than this ends the episode ("context_overflow")
-    max_query_chars: int = 512
-    reward: str = "em"  # "em" or "f1" of the final answers
-    batch_size: int = 16
-    # what the model is shown at each call: "exact" (the memory rule's state) or "persistent" (the history of the
-    # episode's exact states and responses as one transcript, records.flatten_history: the state memopd_persistent's
-    # teacher is scored on); recorded as shown
-    view: str = "exact"
-
-    def __post_init__(self):
-        if self.invalid_action not in ("end", "continue"):
-            raise ValueError(f"invalid_action must be 'end' or 'continue', not {self.invalid_action!r}")
-        if self.view not in VIEWS:
-            raise ValueError(f"view must be one of {VIEWS}, not {self.view!r}")
-        if self.reward not in ("em", "f1"):
-            raise ValueError(f"reward must be 'em' or 'f1', not {self.reward!r}")
-        if "default" not in self.turns:
-            raise ValueError("turns needs a 'default' budget")
-        self.memory = MemoryConfig(self.rule, self.suffix_tokens, self.window)
-
-    @classmethod
-    def from_dict(cls, cfg: dict, **overrides) -> "AgentConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(cfg) - known
-        if unknown:
-            raise ValueError(f"unknown agent config keys {sorted(unknown)}")
-        return cls(**{**cfg, **overrides})
-
-    def max_turns(self, benchmark: str) -> int:
-        """Budget by exact benchmark name, then without its split (`wikirag_test` -> `wikirag`), then
-        `default`."""
-        b = benchmark.lower()
-        turns = {k.lower(): v for k, v in self.turns.items()}
-        return int(turns.get(b, turns.get(re.sub(r"_(train|test|dev|val)$", "", b), turns["default"])))
 
 
 def call_seed(seed: int, index: int, task_id: str, call: int) -> int:

@@ -18,10 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from memopd.agent.protocol import INFO, INFO_END, THINK, THINK_END
-from memopd.agent.rollout import AgentConfig, rollout
+from memopd.agent.rollout import rollout
 from memopd.agent.shards import (Chunks, chunk_bounds, code_digest, concat_episode_files, episode_rows, fingerprint,
                                  identity, shard_bounds)
 from memopd.agent.teacher import ScriptedConfig, ScriptedTeacher, memory_claims
+from memopd.config import AgentConfig
 from memopd.records import Episode, save_episodes
 
 def _metrics(x) -> dict:

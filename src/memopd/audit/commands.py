@@ -21,7 +21,7 @@ def _audit_threads(args):
 
 
 def cmd_audit_rollouts(args, cfg):
-    from memopd.agent.evaluate import agent_config
+    from memopd.config import agent_config
     from memopd.audit.steps import rollout_step
 
     audit = section(cfg, "audit", "episodes")

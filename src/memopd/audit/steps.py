@@ -40,7 +40,8 @@ def rollout_step(cfg: dict, model_dir: str, benchmark: str, index: str, out: str
 
     from memopd.agent.evaluate import make_backend
     from memopd.agent.protocol import load_tasks
-    from memopd.agent.rollout import AgentConfig, rollout
+    from memopd.agent.rollout import rollout
+    from memopd.config import agent_config, rollout_config
     from memopd.retrieval import load_retriever
 
     audit = cfg["audit"]
@@ -49,9 +50,10 @@ def rollout_step(cfg: dict, model_dir: str, benchmark: str, index: str, out: str
     retriever = load_retriever(index)  # before the model: a missing index is refused at once
     torch.manual_seed(seed)
     overrides = {k: audit[k] for k in ("temperature", "max_new_tokens") if audit.get(k) is not None}
-    backend, tok, _ = make_backend(cfg["rollout"], model_dir, seed=seed, **overrides)
+    ro = rollout_config(cfg)
+    backend, tok, _ = make_backend(ro, model_dir, seed=seed, **overrides)
     tasks = load_tasks(benchmark, limit=limit)
-    agent = AgentConfig.from_dict(cfg["agent"], batch_size=cfg["rollout"]["batch_size"])
+    agent = agent_config(cfg)
     agent = replace(agent, rule=rule, invalid_action=audit.get("invalid_action") or agent.invalid_action)
     episodes = rollout(tasks, backend, tok, retriever, agent, seed=seed, label=f"audit rollout {rule}")
     out = Path(out)
@@ -59,7 +61,7 @@ def rollout_step(cfg: dict, model_dir: str, benchmark: str, index: str, out: str
     sampling = backend.sampling if hasattr(backend, "sampling") else None
     meta = {"model": Path(model_dir).name, "benchmark": Path(benchmark).stem, "rule": rule,
             "invalid_action": agent.invalid_action, "seed": seed, "backend": backend.name,
-            "rollout_dtype": cfg["rollout"].get("dtype"),
+            "rollout_dtype": ro.dtype,
             "temperature": getattr(sampling, "temperature", overrides.get("temperature")),
             "max_new_tokens": getattr(sampling, "max_new_tokens", overrides.get("max_new_tokens")),
             **episode_stats(episodes)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from memopd.config import rollout_config
 from memopd.plan.memory import act_per_token, call_input, kv_per_token
 from memopd.plan.models import BYTES, GB, Spec, _plan, resolve
 
@@ -127,12 +128,12 @@ def _rollouts(job: Job, cfg: dict, phase: str, spec: Spec, benchmark: str, max_n
     """The agent's generation: a vLLM engine (rollout.backend vllm; its GPU share `util`, else rollout.vllm's, else
     evaluate.make_backend's default 0.85) or the model itself (hf: its weights unless the caller holds them,
     `weights=False`, and the KV cache of the episodes generated together)."""
-    ro = cfg["rollout"]
-    if ro.get("backend", "hf") == "vllm":
-        v = ro.get("vllm", {})
+    ro = rollout_config(cfg)
+    if ro.vllm_engine:
+        v = ro.vllm
         _vllm(job, cfg, phase, spec, util or v.get("gpu_memory_utilization", 0.85), v.get("max_model_len", 16384))
         return
-    dt, n = ro.get("dtype", "float32"), min(episodes, ro["batch_size"])
+    dt, n = ro.dtype, min(episodes, ro.batch_size)
     tokens = call_input(cfg, max_new) + max_new
     if weights:
         job.add(phase, "weights", spec.weights(dt), f"P {spec.params:,} x {BYTES[dt]} B")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from memopd.agent.memory import RULES
+from memopd.config import RULES, rollout_config
 from memopd.methods import method as method_spec
 from memopd.plan.jobs import Job, _common, _fsdp, _job, _resources, _retriever, _rollouts, _scoring, _vllm
 from memopd.plan.memory import (COMPARE_CHUNK, DIVERGENCE_BYTES, STATE_BYTES, TOKEN_BYTES, _rce_terms, act_per_token,
@@ -31,11 +31,11 @@ def plan_train(cfg: dict) -> list[Job]:
         job.add(ph, "reference", pol.params * 4 / s, f"P x 4 B / {s}")
         if opd:
             job.add(ph, "teacher replica", tea.weights(dt), f"P_T {tea.params:,} x {BYTES[dt]} B")
-    v = t.get("vllm", {})
-    sleeping = ro.get("backend", "hf") == "vllm" and v.get("sleep", False)
-    if ro.get("backend", "hf") == "vllm":
+    v, engine = t.get("vllm", {}), rollout_config(cfg)
+    sleeping = engine.vllm_engine and v.get("sleep", False)
+    if engine.vllm_engine:
         for ph in ("rollout",) if sleeping else ("rollout", "scoring", "update"):
-            _vllm(job, cfg, ph, pol, v.get("gpu_memory_utilization", 0.9), ro.get("vllm", {}).get("max_model_len", 16384))
+            _vllm(job, cfg, ph, pol, v.get("gpu_memory_utilization", 0.9), engine.vllm.get("max_model_len", 16384))
     else:  # hf: the policy itself generates, gathered whole when sharded
         _rollouts(job, cfg, "rollout", pol, t["benchmark"], ro["max_new_tokens"], local, weights=False)
         if s > 1:
@@ -96,7 +96,7 @@ def _train_load(job: Job, cfg: dict, pol: Spec, s: int) -> None:
     it is sharded (ValueModel keeps its first layers only after the deep copy). The teacher loads after every
     model is sharded: the steady phases hold it."""
     _common(job, cfg, "load")
-    if cfg["rollout"].get("backend", "hf") == "vllm":
+    if rollout_config(cfg).vllm_engine:
         util = cfg["train"].get("vllm", {}).get("gpu_memory_utilization", 0.9)
         job.add("load", "vLLM engine", util * job.gpu_limit, f"gpu_memory_utilization {util} x {job.gpu_limit / GB:.0f} GB")
     job.add("load", "policy (fp32, whole)", pol.params * 4, f"P {pol.params:,} x 4 B (load_model)")

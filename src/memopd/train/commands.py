@@ -13,7 +13,7 @@ def cmd_train(args, cfg):
     import shutil
     from contextlib import nullcontext
 
-    from memopd.agent.evaluate import agent_config
+    from memopd.config import agent_config
     from memopd.dist import dist_info, rank_threads
     from memopd.tracking import NullRun, tracked
     from memopd.train.loop import train_run

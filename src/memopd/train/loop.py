@@ -290,13 +290,14 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     Under torchrun (WORLD_SIZE > 1) every rank calls this; only rank 0 writes files and calls `tracker`."""
     from memopd.agent.backends import HFBackend, VLLMBackend
     from memopd.agent.evaluate import make_sampling
+    from memopd.config import agent_config, rollout_config
     from memopd.agent.protocol import load_tasks
-    from memopd.agent.rollout import AgentConfig, rollout
+    from memopd.agent.rollout import rollout
     from memopd.models import DTYPES, load_tokenizer
     from memopd.retrieval import load_retriever
 
     run = RunConfig.from_section(cfg["train"], method, seed)  # refuses a bad section before anything runs
-    rcfg = cfg["rollout"]
+    ro = rollout_config(cfg)
     out = Path(out_dir)
     ckpt, metrics_path = out / "checkpoint", out / "metrics.jsonl"
     identity, resume = preflight(cfg, run, method, seed, student_dir, teacher_dir, tasks_path, index_dir, ckpt)
@@ -311,12 +312,12 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(student_dir)
-    sampling = make_sampling(rcfg)
+    sampling = make_sampling(ro)
     sync = None
-    if rcfg.get("backend", "hf") == "vllm":  # the engine first: it sizes its memory from what is free
+    if ro.vllm_engine:  # the engine first: it sizes its memory from what is free
         from memopd.train.weight_sync import WeightSync, colocated_llm, sleep_mode
 
-        llm = colocated_llm(student_dir, rcfg, run.vllm, seed, world)
+        llm = colocated_llm(student_dir, ro, run.vllm, seed, world)
         sync = WeightSync(llm, sleep=sleep_mode(run.vllm))
         backend = VLLMBackend(student_dir, tok, sampling, llm=llm)
     policy, ref, critic, teacher = build_models(run, method, student_dir, teacher_dir, device, world)
@@ -336,7 +337,7 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
 
     tasks = load_tasks(tasks_path)
     retriever = load_retriever(index_dir)
-    agent = AgentConfig.from_dict(cfg["agent"], batch_size=rcfg["batch_size"])
+    agent = agent_config(cfg)
     schedule = task_order(len(tasks), run.steps, run.batch_tasks, seed)  # the same on every rank
     history, pending = [], None  # pending: a sharded checkpoint being written
     bar = Progress(f"{method} seed {seed}", run.steps, "steps", start=start, enabled=rank == 0)

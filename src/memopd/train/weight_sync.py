@@ -8,7 +8,7 @@ way the engine's model is a module of this process, so a sync hands it the polic
 directly (`load_weights` maps the Hugging Face names, fusing q/k/v and gate/up itself): no file, no copy
 through another process.
 
-    llm = colocated_llm(student_dir, cfg["rollout"], run.vllm, seed, world)   # run: train.config.RunConfig
+    llm = colocated_llm(student_dir, rollout_config(cfg), run.vllm, seed, world)   # run: train.config.RunConfig
     sync = WeightSync(llm, sleep=sleep_mode(run.vllm))
     sync.sync(policy)      # before every rollout: the engine samples with the current policy
     ... VLLMBackend(..., llm=llm) rollouts ...
@@ -28,19 +28,20 @@ from collections.abc import Iterator
 import torch
 
 
-def colocated_llm(model_dir, rollout_cfg: dict, engine_cfg: dict, seed: int, world: int = 1):
+def colocated_llm(model_dir, ro, engine_cfg: dict, seed: int, world: int = 1):
     """A vLLM engine in this process on this rank's GPU, initialised from `model_dir` (its weights are
     replaced at the first sync). `engine_cfg` (config `train.vllm`): gpu_memory_utilization (the
-    engine's share of the GPU, next to the trainer's models), sleep (sleep mode between rollouts)."""
+    engine's share of the GPU, next to the trainer's models), sleep (sleep mode between rollouts); `ro`: the
+    `rollout` section (memopd.config.RolloutConfig)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine core (and model) here
     from vllm import LLM  # GPU environment only (envs/gpu.yaml)
 
     kw = {}
     if world > 1:  # one engine per torchrun rank, on LOCAL_RANK's GPU, sharing the trainer's process group
         kw["distributed_executor_backend"] = "external_launcher"
-    return LLM(model=str(model_dir), dtype=rollout_cfg.get("dtype", "bfloat16"), seed=seed,
+    return LLM(model=str(model_dir), dtype=ro.dtype, seed=seed,
                gpu_memory_utilization=engine_cfg.get("gpu_memory_utilization", 0.3),
-               max_model_len=rollout_cfg.get("vllm", {}).get("max_model_len"), enable_prefix_caching=True,
+               max_model_len=ro.vllm.get("max_model_len"), enable_prefix_caching=True,
                enable_sleep_mode=sleep_mode(engine_cfg), **kw)
 
 

@@ -1,0 +1,157 @@
+"""The config's agent and rollout sections as typed values, parsed once where a command starts, and the
+per-benchmark lookups of the `eval` section. Importable without torch: the Snakefile imports it at parse time
+(workflow/rules/common.smk), and so do the planner and the commands before they load any model.
+
+Config keys keep their spelling (workflow/schemas/config.schema.yaml documents them); a field may be named for
+what it is where the key is ambiguous: `rollout.backend` is the generation engine (`RolloutConfig.engine`), not
+an attention path or a retrieval index.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+
+from memopd.inputs import ConfigError, section
+
+RULES = ("full_retention", "suffix_retention", "summary_replacement", "sliding_window", "retrieval_refresh")
+REFRESH_OBSERVATION = {"retrieval_refresh"}  # rules whose observation is re-retrieved at every call
+VIEWS = ("exact", "persistent")  # what a model is shown at each call (AgentConfig.view)
+ENGINES = ("hf", "vllm")  # generation engines (rollout.backend)
+
+
+@dataclass
+class MemoryConfig:
+    """How the next call's context is built (memopd.agent.memory)."""
+
+    rule: str = "summary_replacement"
+    suffix_tokens: int = 32  # K of suffix_retention
+    window: int = 2  # W of sliding_window
+
+    def __post_init__(self):
+        if self.rule not in RULES:
+            raise ValueError(f"unknown memory rule {self.rule!r}; choose from {RULES}")
+        if self.suffix_tokens < 1 or self.window < 1:
+            raise ValueError("suffix_tokens and window must be >= 1")
+
+
+@dataclass
+class AgentConfig:
+    """The `agent` section of the config (plus `batch_size` from `rollout`)."""
+
+    rule: str = "summary_replacement"
+    suffix_tokens: int = 32
+    window: int = 2
+    turns: dict = field(default_factory=lambda: {"default": 6})  # turn budget (calls) per benchmark
+    invalid_action: str = "end"  # "end": an invalid action ends the episode; "continue": it is told and goes on
+    invalid_penalty: float = 0.0  # subtracted from the reward per invalid action
+    top_k: int = 3  # passages per search
+    max_observation_tokens: int = 256  # cut of the passages' tokens in one observation
+    max_input_tokens: int = 3072  # an input longer than this ends the episode ("context_overflow")
+    max_query_chars: int = 512
+    reward: str = "em"  # "em" or "f1" of the final answers
+    batch_size: int = 16
+    # what the model is shown at each call: "exact" (the memory rule's state) or "persistent" (the history of the
+    # episode's exact states and responses as one transcript, records.flatten_history: the state memopd_persistent's
+    # teacher is scored on); recorded as shown
+    view: str = "exact"
+
+    def __post_init__(self):
+        if self.invalid_action not in ("end", "continue"):
+            raise ValueError(f"invalid_action must be 'end' or 'continue', not {self.invalid_action!r}")
+        if self.view not in VIEWS:
+            raise ValueError(f"view must be one of {VIEWS}, not {self.view!r}")
+        if self.reward not in ("em", "f1"):
+            raise ValueError(f"reward must be 'em' or 'f1', not {self.reward!r}")
+        if "default" not in self.turns:
+            raise ValueError("turns needs a 'default' budget")
+        self.memory = MemoryConfig(self.rule, self.suffix_tokens, self.window)
+
+    @classmethod
+    def from_dict(cls, cfg: dict, **overrides) -> "AgentConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(cfg) - known
+        if unknown:
+            raise ValueError(f"unknown agent config keys {sorted(unknown)}")
+        return cls(**{**cfg, **overrides})
+
+    def max_turns(self, benchmark: str) -> int:
+        """Budget by exact benchmark name, then without its split (`wikirag_test` -> `wikirag`), then
+        `default`."""
+        b = benchmark.lower()
+        turns = {k.lower(): v for k, v in self.turns.items()}
+        return int(turns.get(b, turns.get(re.sub(r"_(train|test|dev|val)$", "", b), turns["default"])))
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The `rollout` section: the generation engine, its precision and device, and the sampling of training
+    rollouts (evaluation overrides temperature and max_new_tokens per benchmark: `eval_overrides`)."""
+
+    engine: str = "hf"  # config key `backend`
+    dtype: str = "float32"
+    device: str | None = None  # None: the default device
+    batch_size: int = 16
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    vllm: dict = field(default_factory=dict)  # gpu_memory_utilization, max_model_len
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"backend must be one of {ENGINES}, not {self.engine!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RolloutConfig":
+        known = {f.name for f in fields(cls)} - {"engine"} | {"backend"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown rollout config keys {sorted(unknown)}")
+        return cls(**{("engine" if k == "backend" else k): v for k, v in d.items()})
+
+    @property
+    def vllm_engine(self) -> bool:
+        return self.engine == "vllm"
+
+    def sampling(self, **overrides) -> dict:
+        """Keyword arguments of the engine's sampling parameters, with per-step overrides (e.g. eval's greedy)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "max_new_tokens": self.max_new_tokens, **overrides}
+
+
+def rollout_config(cfg: dict) -> RolloutConfig:
+    """The `rollout` section of a config; a ConfigError names a bad key."""
+    try:
+        return RolloutConfig.from_dict(section(cfg, "rollout"))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config section 'rollout': {e}") from None
+
+
+def agent_config(cfg: dict, **overrides) -> AgentConfig:
+    """The `agent` section as an AgentConfig, its batch size from `rollout`; a ConfigError names a bad key."""
+    batch = section(cfg, "rollout", "batch_size")["batch_size"]
+    try:
+        return AgentConfig.from_dict(section(cfg, "agent"), **{"batch_size": batch, **overrides})
+    except (TypeError, ValueError) as e:  # an unknown key, or a field without a value
+        raise ConfigError(f"config section 'agent': {e}") from None
+
+
+def per_benchmark(value, bench: str):
+    """A config value given once or per benchmark file name ({name: value, default: value})."""
+    return value.get(bench, value.get("default")) if isinstance(value, dict) else value
+
+
+def eval_overrides(eval_cfg: dict, bench: str) -> dict:
+    """The sampling overrides of evaluation on `bench`: config eval temperature / max_new_tokens, each once
+    or per benchmark. null (or no key) keeps the training rollout's value (config rollout): evaluation runs
+    the protocol the policies were trained with unless the config says otherwise (a response budget below
+    training's cuts answers off, and a cut answer counts as an invalid action)."""
+    return {k: v for k in ("temperature", "max_new_tokens") if (v := per_benchmark(eval_cfg.get(k), bench)) is not None}
+
+
+def eval_job_config(cfg: dict, bench: str, **agent) -> dict:
+    """What one evaluation on `bench` reads (rule eval's --cfg): agent (with `agent` replacing keys, e.g. the
+    view), rollout, and eval's settings for this benchmark only, so that adding a benchmark or a model does not
+    change the settings of the evaluations already done."""
+    ev = {k: per_benchmark(v, bench) for k, v in cfg["eval"].items() if k not in ("models", "benchmarks")}
+    return {"agent": {**cfg["agent"], **agent}, "rollout": cfg["rollout"], "eval": ev}
