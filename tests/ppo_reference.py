@@ -12,7 +12,7 @@ Read top to bottom, it is the algorithm:
   2. rewards: r[j] = -beta * max(l_old[j] - l_ref[j], 0); the task score is added on the episode's
      last sampled token
   3. GAE over the ordered sampled tokens of the episode (context copies are not in the list, so they
-     cannot enter the recursion): delta = r[j] + gamma V[j+1] - V[j], A[j] = delta + gamma lam A[j+1],
+     cannot enter the recursion): delta = r[j] + gamma V[j+1] - V[j], A[j] = delta + gamma gae_lambda A[j+1],
      terminal after the last token; returns R = A + V_old
   4. advantages normalised over every sampled token of the batch: (A - mean) / std (unbiased std)
   5. PPO epochs; each epoch shuffles the episodes (random.Random(seed), one generator for all epochs)
@@ -116,7 +116,7 @@ def rewards_and_advantages(scored, cfg) -> None:
         next_value, next_adv = 0.0, 0.0
         for tok in reversed(toks):
             delta = tok["r"] + cfg.gamma * next_value - tok["v_old"]
-            next_adv = delta + cfg.gamma * cfg.lam * next_adv
+            next_adv = delta + cfg.gamma * cfg.gae_lambda * next_adv
             tok["A"] = next_adv
             tok["R"] = next_adv + tok["v_old"]
             next_value = tok["v_old"]
@@ -128,7 +128,7 @@ def rewards_and_advantages(scored, cfg) -> None:
             tok["A_norm"] = (tok["A"] - mean) / std
 
 
-def minibatch_losses(batch, policy, critic, cfg, lam: float) -> dict:
+def minibatch_losses(batch, policy, critic, cfg, opd_lambda: float) -> dict:
     """Step 5 on one minibatch with the current weights: the four terms as scalar tensors."""
     n = sum(len(s["tokens"]) for s in batch)
     n_teach = sum(tok["teacher_logp"] is not None for s in batch for tok in s["tokens"])
@@ -144,18 +144,18 @@ def minibatch_losses(batch, policy, critic, cfg, lam: float) -> dict:
             a = tok["A_norm"]
             pg = pg + torch.maximum(-a * ratio, -a * ratio.clamp(1 - cfg.clip, 1 + cfg.clip)) / n
             entropy = entropy - (logp_all.exp() * logp_all).sum() / n
-            if lam and tok["teacher_logp"] is not None:
+            if opd_lambda and tok["teacher_logp"] is not None:
                 opd = opd + (logp_all.exp() * (logp_all - tok["teacher_logp"])).sum() / n_teach
             v_clipped = tok["v_old"] + (v - tok["v_old"]).clamp(-cfg.value_clip, cfg.value_clip)
             value = value + 0.5 * torch.maximum((v - tok["R"]) ** 2, (v_clipped - tok["R"]) ** 2) / n
-    return {"ppo": pg, "entropy": entropy, "opd": opd if (lam and n_teach) else None, "value": value}
+    return {"ppo": pg, "entropy": entropy, "opd": opd if (opd_lambda and n_teach) else None, "value": value}
 
 
 def update(episodes, policy, ref, critic, teacher, actor_opt, critic_opt, cfg) -> dict:
     """The whole update; returns the per-minibatch loss terms and the clipped gradients of each step."""
     scored = score(episodes, policy, ref, critic, teacher, cfg)
     rewards_and_advantages(scored, cfg)
-    lam = 0.0 if cfg.method == "ppo" else cfg.opd_coef
+    opd_lambda = 0.0 if cfg.method == "ppo" else cfg.opd_lambda
     steps = []
     order = list(range(len(episodes)))
     rng = random.Random(cfg.seed)
@@ -165,10 +165,10 @@ def update(episodes, policy, ref, critic, teacher, actor_opt, critic_opt, cfg) -
             batch = [scored[i] for i in order[m : m + cfg.minibatch_episodes]]
             actor_opt.zero_grad(set_to_none=True)
             critic_opt.zero_grad(set_to_none=True)
-            terms = minibatch_losses(batch, policy, critic, cfg, lam)
+            terms = minibatch_losses(batch, policy, critic, cfg, opd_lambda)
             actor = terms["ppo"] - cfg.entropy_coef * terms["entropy"]
             if terms["opd"] is not None:
-                actor = actor + lam * terms["opd"]
+                actor = actor + opd_lambda * terms["opd"]
             actor.backward()
             terms["value"].backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)

@@ -82,7 +82,7 @@ def test_ppo_update_with_checkpointing_equals_the_plain_update(backend):
             parallel.checkpoint_activations(critic)
             assert parallel.is_checkpointed(critic) and not parallel.is_checkpointed(ref)
         m = ppo_update(_episodes(), policy, ref, critic, teacher, a_opt, c_opt,
-                       PPOConfig(method="memopd", opd_coef=0.5, minibatch_episodes=2, backend=backend))
+                       PPOConfig(method="memopd", opd_lambda=0.5, minibatch_episodes=2, backend=backend))
         runs[ckpt] = (m, {**{f"p.{k}": v for k, v in policy.state_dict().items()},
                           **{f"c.{k}": v for k, v in critic.state_dict().items()}})
     for k in ("actor/loss", "value/loss", "opd/loss", "actor/grad_norm", "critic/grad_norm"):

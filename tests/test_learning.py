@@ -16,7 +16,7 @@ the trainer is stubbed or special-cased; only the rollout loop and the reward li
 Asserted, on each of seeds 0, 1, 2 (every seed, not their mean):
   * PPO (`method="ppo"`): mean task reward over the last 5 updates >= mean over the first 5 + 0.5, a
     rise no question-ignoring policy can produce (it is capped at 0.5 from a start of ~1/16).
-  * MemOPD (`method="memopd"`, opd_coef 1.0) from the same random student, with a teacher that already
+  * MemOPD (`method="memopd"`, opd_lambda 1.0) from the same random student, with a teacher that already
     solves the toy (a tiny model trained here by plain cross-entropy): the reverse KL to the teacher on
     the teacher-mask tokens (`metrics["opd/loss"]`) averaged over the last 3 of its 15 updates is below
     0.1x its average over the first 3.
@@ -53,7 +53,7 @@ UPDATES = {"ppo": 25, "memopd": 15}
 BATCH = 16  # episodes per update
 LR = 1e-2  # AdamW, actor and critic
 OPD_COEF = 1.0  # lambda: large, so that the toy shows the teacher term's effect (paper: 0.02)
-PPO_KW = dict(clip=0.2, entropy_coef=0.1, beta=0.001, gamma=1.0, lam=1.0, ppo_epochs=1, minibatch_episodes=8,
+PPO_KW = dict(clip=0.2, entropy_coef=0.1, beta=0.001, gamma=1.0, gae_lambda=1.0, ppo_epochs=1, minibatch_episodes=8,
               max_grad_norm=1.0, teacher_select="all", backend="sdpa", rce_sample=1)
 PPO_WINDOW, PPO_MARGIN = 5, 0.5  # asserted: mean reward(last 5) - mean reward(first 5) >= 0.5
 KL_WINDOW, KL_RATIO = 3, 0.1  # asserted: mean KL(last 3) < 0.1 x mean KL(first 3)
@@ -125,7 +125,7 @@ def train_run(method: str, seed: int, teacher) -> dict[str, list[float]]:
     ref, critic = copy.deepcopy(policy).requires_grad_(False), ValueModel(copy.deepcopy(policy))
     a_opt = torch.optim.AdamW(policy.parameters(), lr=LR)
     c_opt = torch.optim.AdamW(critic.parameters(), lr=LR)
-    cfg = PPOConfig(method=method, opd_coef=OPD_COEF, seed=seed, **PPO_KW)
+    cfg = PPOConfig(method=method, opd_lambda=OPD_COEF, seed=seed, **PPO_KW)
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     curve = {"reward": [], "kl": [], "rce": []}
     for _ in range(UPDATES[method]):
@@ -163,7 +163,7 @@ def curves():
 
 
 def table(curves) -> str:
-    lines = [f"reward per update ({BATCH} episodes each), K={len(ANSWERS)} V={VOCAB}; memopd opd_coef={OPD_COEF}"]
+    lines = [f"reward per update ({BATCH} episodes each), K={len(ANSWERS)} V={VOCAB}; memopd opd_lambda={OPD_COEF}"]
     for seed, c in curves.items():
         for method in ("ppo", "memopd"):
             lines.append(f"seed {seed} {method:6s} reward " + " ".join(f"{v:.2f}" for v in c[method]["reward"]))

@@ -131,7 +131,7 @@ def test_token_rewards_put_the_score_on_the_last_action():
 
 def test_gae_known_values():
     rewards, values = torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.5, 0.25, 0.5])
-    adv, ret = gae(rewards, values, torch.zeros(3, dtype=torch.long), gamma=0.9, lam=0.8)
+    adv, ret = gae(rewards, values, torch.zeros(3, dtype=torch.long), gamma=0.9, gae_lambda=0.8)
     d2 = 1.0 - 0.5
     d1 = 0.0 + 0.9 * 0.5 - 0.25
     d0 = 0.0 + 0.9 * 0.25 - 0.5
@@ -147,9 +147,9 @@ def test_gae_restarts_at_episode_boundaries():
 
 def test_actor_loss_with_zero_lambda_is_ppo_minus_entropy():
     logp, old, adv, ent = torch.randn(5), torch.randn(5), torch.randn(5), torch.rand(5)
-    a, _ = actor_loss(logp, old, adv, ent, opd=torch.tensor(3.0), clip=0.2, entropy_coef=0.01, opd_coef=0.0)
-    b, _ = actor_loss(logp, old, adv, ent, opd=None, clip=0.2, entropy_coef=0.01, opd_coef=0.0)
-    c, _ = actor_loss(logp, old, adv, ent, opd=torch.tensor(3.0), clip=0.2, entropy_coef=0.01, opd_coef=0.5)
+    a, _ = actor_loss(logp, old, adv, ent, opd=torch.tensor(3.0), clip=0.2, entropy_coef=0.01, opd_lambda=0.0)
+    b, _ = actor_loss(logp, old, adv, ent, opd=None, clip=0.2, entropy_coef=0.01, opd_lambda=0.0)
+    c, _ = actor_loss(logp, old, adv, ent, opd=torch.tensor(3.0), clip=0.2, entropy_coef=0.01, opd_lambda=0.5)
     assert a.item() == b.item()
     assert c.item() == pytest.approx(b.item() + 1.5)
 

@@ -187,7 +187,7 @@ def measure(kind: str, role: str = "student") -> dict:
             e.reward = rng.random()
         ppo_update(episodes, policy, ref, critic, teacher, torch.optim.AdamW(policy.parameters()),
                    torch.optim.AdamW(critic.parameters()),
-                   PPOConfig(method="memopd", opd_coef=pp["opd_coef"], minibatch_episodes=pp["minibatch_episodes"],
+                   PPOConfig(method="memopd", opd_lambda=pp["opd_coef"], minibatch_episodes=pp["minibatch_episodes"],
                              backend=pp["backend"], chunk_size=pp["chunk_size"], rce_sample=pp["rce_sample"],
                              dtype=t["dtype"]))
         n = len(pack(episodes[0]))

@@ -45,7 +45,7 @@ def test_one_step_runs_and_changes_the_weights(method):
     before = copy.deepcopy(policy.state_dict())
     t_before = copy.deepcopy(teacher.state_dict())
     m = ppo_update(_episodes(), policy, ref, critic, teacher, a_opt, c_opt,
-                   PPOConfig(method=method, opd_coef=0.5, minibatch_episodes=2))
+                   PPOConfig(method=method, opd_lambda=0.5, minibatch_episodes=2))
     assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())
     assert all(torch.equal(t_before[k], v) for k, v in teacher.state_dict().items())  # frozen
     assert m["rce/max_abs_dlogp"] <= 1e-5
@@ -84,7 +84,7 @@ def test_the_first_ratio_is_exactly_one(dtype):
     0.0 for both; a pure-bf16 pi_old against the autocast update differs by ~2e-3 in log p here."""
     policy, ref, critic, teacher, a_opt, c_opt = _setup()
     m = ppo_update(_episodes(), policy, ref, critic, teacher, a_opt, c_opt,
-                   PPOConfig(dtype=dtype, opd_coef=0.5, minibatch_episodes=2, ppo_epochs=2))
+                   PPOConfig(dtype=dtype, opd_lambda=0.5, minibatch_episodes=2, ppo_epochs=2))
     assert m["ppo/first_ratio_err"] == 0.0 and m["reward/kl_ref"] == 0.0
     assert m["rce/max_abs_dlogp"] <= {"float32": 1e-5, "bfloat16": 5e-2}[dtype]
     assert m["ppo/ratio_max"] != 1.0  # later minibatches did move the policy
@@ -129,7 +129,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-DIST_CFG = dict(method="memopd", opd_coef=0.5, minibatch_episodes=3, ppo_epochs=2, rce_sample=1)
+DIST_CFG = dict(method="memopd", opd_lambda=0.5, minibatch_episodes=3, ppo_epochs=2, rce_sample=1)
 
 
 def _dist_worker(rank, world, port, out, shard="none", dtype="float32"):

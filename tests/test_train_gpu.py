@@ -39,7 +39,7 @@ def test_cuda_bf16_tiny_lr_moves_the_master_weights():
 def test_cuda_training_step_matches_cpu(backend):
     """One fp32 update on CUDA: the RCE guard holds at the fp32 tolerance on the GPU kernels, and losses
     and gradient norms are the CPU step's up to kernel summation order."""
-    cfg = PPOConfig(method="memopd", opd_coef=0.5, minibatch_episodes=2, backend=backend, rce_sample=2)
+    cfg = PPOConfig(method="memopd", opd_lambda=0.5, minibatch_episodes=2, backend=backend, rce_sample=2)
     cpu = ppo_update(_episodes(), *_setup(), PPOConfig(**{**cfg.__dict__, "backend": "sdpa"}))
     policy, ref, critic, teacher, _, _ = (m.cuda() if isinstance(m, torch.nn.Module) else m for m in _setup())
     before = {k: v.clone() for k, v in policy.state_dict().items()}

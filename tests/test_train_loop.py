@@ -358,8 +358,17 @@ def test_the_train_section_is_typed_once_with_the_schemas_defaults():
     stated = {k: v["default"] for k, v in schema["properties"].items() if "default" in v}
     assert stated and all(getattr(run, k) == v for k, v in stated.items()), stated
     ppo_schema = schema["properties"]["ppo"]["properties"]
-    assert all(getattr(run.ppo, k) == v["default"] for k, v in ppo_schema.items() if "default" in v)
-    assert set(ppo_schema) == {f.name for f in fields(PPOConfig)} - {"method", "seed", "dtype", "vocab"}
+    field_of = {"lam": "gae_lambda", "opd_coef": "opd_lambda"}  # config keys spelt otherwise in PPOConfig
+    assert all(getattr(run.ppo, field_of.get(k, k)) == v["default"] for k, v in ppo_schema.items() if "default" in v)
+    assert {field_of.get(k, k) for k in ppo_schema} == {f.name for f in fields(PPOConfig)} - {
+        "method", "seed", "dtype", "vocab"}
+    lambdas = {**least, "ppo": {"lam": 0.7, "opd_coef": 0.3}}
+    got = RunConfig.from_section(lambdas, "memopd", 0).ppo
+    assert (got.gae_lambda, got.opd_lambda) == (0.7, 0.3)
+    got = RunConfig.from_section(lambdas, "ppo", 0).ppo
+    assert (got.gae_lambda, got.opd_lambda) == (0.7, 0.0)  # no teacher: no OPD term, whatever the config says
+    with pytest.raises(ValueError, match="gae_lambda"):  # the config spells it `lam`
+        RunConfig.from_section({**least, "ppo": {"gae_lambda": 0.7}}, "memopd", 0)
     assert set(schema["properties"]) - {"ppo"} <= {f.name for f in fields(RunConfig)} | {"dtype"} | {
         "student", "teacher", "methods", "seeds", "benchmark", "horizons", "matched_control"}
     with pytest.raises(ValueError, match="critic_layer"):

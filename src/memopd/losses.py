@@ -166,7 +166,8 @@ def token_rewards(task_score: torch.Tensor, last_action: torch.Tensor, old_logp:
     return r.index_add(0, last_action, task_score.to(r.dtype))
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, episode: torch.Tensor, gamma: float = 1.0, lam: float = 1.0):
+def gae(rewards: torch.Tensor, values: torch.Tensor, episode: torch.Tensor, gamma: float = 1.0,
+        gae_lambda: float = 1.0):
     """Generalised advantage estimation over the ordered sampled actions.
 
     rewards, values, episode: (N,) over sampled action tokens only, in rollout order (context-only
@@ -182,19 +183,19 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, episode: torch.Tensor, gamm
         if j == n - 1 or episode[j + 1] != episode[j]:  # last action of an episode: terminal
             next_value, next_adv = rewards.new_zeros(()), rewards.new_zeros(())
         delta = rewards[j] + gamma * next_value - values[j]
-        next_adv = delta + gamma * lam * next_adv
+        next_adv = delta + gamma * gae_lambda * next_adv
         adv[j] = next_adv
         next_value = values[j]
     return adv, adv + values
 
 
 def actor_loss(logp, old_logp, advantages, entropy, opd: torch.Tensor | None, clip: float, entropy_coef: float,
-               opd_coef: float, denom: float | None = None):
+               opd_lambda: float, denom: float | None = None):
     """L_actor = L_PPO - alpha H + lambda L_OPD (lambda = 0: plain PPO). `opd` is already aggregated
     over its own (teacher-mask) denominator; `denom` is the action-token count of PPO and entropy."""
     pg, metrics = ppo_policy_loss(logp, old_logp, advantages, clip, denom)
     h, m_h = entropy_bonus(entropy, denom)
     loss = pg - entropy_coef * h
-    if opd is not None and opd_coef:
-        loss = loss + opd_coef * opd
+    if opd is not None and opd_lambda:
+        loss = loss + opd_lambda * opd
     return loss, {**metrics, **m_h, "actor/loss": loss.item()}

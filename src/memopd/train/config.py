@@ -16,6 +16,8 @@ from memopd.train.ppo import PPOConfig
 WORKFLOW_KEYS = ("student", "teacher", "methods", "seeds", "benchmark", "horizons", "matched_control")
 # PPOConfig fields that are not keys of train.ppo: the run's method and seed, train.dtype, the tokenizer's size
 PPO_RUN_FIELDS = ("method", "seed", "dtype", "vocab")
+# train.ppo keys spelled otherwise in PPOConfig: each lambda named for what it weighs
+PPO_FIELD_OF_KEY = {"lam": "gae_lambda", "opd_coef": "opd_lambda"}
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,11 @@ class RunConfig:
             raise ValueError(f"unknown train config keys {sorted(unknown)}")
         if missing := {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING} - set(section):
             raise ValueError(f"train config lacks {sorted(missing)}")
-        ppo_keys = {f.name for f in fields(PPOConfig)} - set(PPO_RUN_FIELDS)
+        key_of = {v: k for k, v in PPO_FIELD_OF_KEY.items()}
+        ppo_keys = {key_of.get(f.name, f.name) for f in fields(PPOConfig)} - set(PPO_RUN_FIELDS)
         if unknown := set(section["ppo"]) - ppo_keys:
             raise ValueError(f"unknown train.ppo keys {sorted(unknown)}")
         precision = {"dtype": section["dtype"]} if "dtype" in section else {}
-        ppo = PPOConfig(**section["ppo"], **precision, method=method, seed=seed)
+        ppo = PPOConfig(**{PPO_FIELD_OF_KEY.get(k, k): v for k, v in section["ppo"].items()}, **precision,
+                        method=method, seed=seed)
         return cls(**{k: v for k, v in section.items() if k in own and k != "ppo"}, ppo=ppo)

@@ -88,13 +88,14 @@ class ValueModel(torch.nn.Module):
 @dataclass
 class PPOConfig:
     method: str = "memopd"
-    opd_coef: float = 0.02  # lambda (paper: 0.02); forced to 0 for `ppo`
+    # lambda of the OPD term (config key train.ppo.opd_coef; paper: 0.02); 0 for a method without a teacher
+    opd_lambda: float = 0.02
     clip: float = 0.2
     value_clip: float = 0.2
     entropy_coef: float = 0.0
     beta: float = 0.001  # reference penalty weight
     gamma: float = 1.0
-    lam: float = 1.0
+    gae_lambda: float = 1.0  # config key train.ppo.lam
     ppo_epochs: int = 1
     minibatch_episodes: int = 4
     max_grad_norm: float = 1.0
@@ -109,11 +110,8 @@ class PPOConfig:
     def __post_init__(self):
         method_spec(self.method)  # refuses an unknown method, naming the known ones
         autocast(torch.device("cpu"), self.dtype)  # refuses a dtype training does not support
-
-    @property
-    def opd_weight(self) -> float:
-        """lambda of the actor loss: opd_coef, 0 for `ppo`."""
-        return self.opd_coef if method_spec(self.method).needs_teacher else 0.0
+        if not method_spec(self.method).needs_teacher:  # the config's lambda is shared by the run list's methods
+            self.opd_lambda = 0.0
 
 
 def _head(model):
@@ -210,7 +208,7 @@ def episode_targets(scored: ScoredEpisode, reward: float, cfg: PPOConfig) -> Tar
     n_actions = old.numel()
     score = torch.tensor([reward])
     rewards = token_rewards(score, torch.tensor([n_actions - 1]), old, ref, cfg.beta)
-    advantages, returns = gae(rewards, values, torch.zeros(n_actions, dtype=torch.long), cfg.gamma, cfg.lam)
+    advantages, returns = gae(rewards, values, torch.zeros(n_actions, dtype=torch.long), cfg.gamma, cfg.gae_lambda)
     return Targets(advantages, returns, reference_penalty(old, ref))
 
 
@@ -253,10 +251,9 @@ def episode_backward(scored: ScoredEpisode, target: Targets, mb: Minibatch, real
                      cfg: PPOConfig) -> tuple[torch.Tensor, dict]:
     """Backpropagate one episode's share of the minibatch's actor and critic losses; its (N,) log-probs and
     metrics. `real` False: an FSDP padding pass, run for its collectives with a zero loss."""
-    lam = cfg.opd_weight
     dev = next(models.policy.parameters()).device
     packed = scored.packed
-    teach = bool(lam) and scored.teacher_hidden is not None and mb.teacher_tokens > 0
+    teach = bool(cfg.opd_lambda) and scored.teacher_hidden is not None and mb.teacher_tokens > 0
     with autocast(dev, cfg.dtype):
         logp, entropy, opd = call(models.policy, lambda m: actor_forward(
             m, packed, cfg.backend, cfg.chunk_size, scored.teach_rows, scored.teacher_hidden if teach else None,
@@ -268,7 +265,7 @@ def episode_backward(scored: ScoredEpisode, target: Targets, mb: Minibatch, real
     # sum over ranks is its gradient
     denom = mb.actions if real else float("inf")
     a_loss, a_metrics = actor_loss(logp, scored.old_logp, target.advantages.to(dev), entropy, opd if real else None,
-                                   cfg.clip, cfg.entropy_coef, lam, denom)
+                                   cfg.clip, cfg.entropy_coef, cfg.opd_lambda, denom)
     v_loss, v_metrics = value_loss(values, scored.values, target.returns.to(dev), cfg.value_clip, denom)
     (a_loss + v_loss).backward()  # separate models: each gets its own loss's gradient
     return logp.detach(), {**a_metrics, **v_metrics, **opd_metrics}
