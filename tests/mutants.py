@@ -56,7 +56,7 @@ MUTANTS = [
      "r = -beta * reference_penalty(old_logp, ref_logp)",
      "r = beta * reference_penalty(old_logp, ref_logp)"),
     ("GAE without lambda", LOSSES,
-     "next_adv = delta + gamma * lam * next_adv",
+     "next_adv = delta + gamma * gae_lambda * next_adv",
      "next_adv = delta + gamma * next_adv"),
     ("forward KL instead of reverse KL", LOSSES,
      "return (logp_s.exp() * (logp_s - logp_t)).sum(-1)",
