@@ -4,7 +4,7 @@ import random
 import pytest
 
 from memopd.audit.alignment import action_domain, context_update_rows, state_rows, teacher_divergence
-from memopd.report.tables import markdown, write_table
+from memopd.outputs import markdown, write_table
 from memopd.synthetic import RULES, random_episode
 
 

@@ -221,7 +221,7 @@ def _lay_down_outputs(w: Path) -> tuple[list[str], list[str]]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from memopd.report.tables import write_csv, write_table
+    from memopd.outputs import write_csv, write_table
 
     for o in outputs:
         p = w / o

@@ -6,16 +6,17 @@ A unit is a top-level module (memopd/stats.py: `stats`) or a subpackage (memopd/
 lowest first:
 
   0 foundations    records, cost, losses, metrics, models, methods, tracking, inputs, codegraph, stats, dist, checkpoint,
-                   progress
+                   progress, outputs (JSON, tables and figures as every step writes them)
                    and the package's own __init__ (no memopd import at all)
   1 layout, config packing, vocab, prefetch, config (the typed config sections: on inputs' errors)
   2 exact forward  attention
   3 on the forward rce, parallel
-  4 data, reports  data, report
+  4 data           data
   5 corpora        retrieval, synthetic
   6 agent          agent
   7 trainers       sft, train
   8 audits, plans  audit, plan
+  9 reports        report (the tables and figures over runs, audits and plans: the last stage)
   top              cli, __main__ and every module named `commands` (memopd.commands, sft.commands, ...): they
                    may import anything, and nothing below the top may import them
 
@@ -35,15 +36,16 @@ PACKAGE = "memopd"
 
 FLOORS = [
     ("foundations", {"memopd", "records", "cost", "losses", "metrics", "models", "methods", "tracking", "inputs",
-                     "codegraph", "stats", "dist", "checkpoint", "progress"}),
+                     "codegraph", "stats", "dist", "checkpoint", "progress", "outputs"}),
     ("layout, config", {"packing", "vocab", "prefetch", "config"}),
     ("exact forward", {"attention"}),
     ("on the forward", {"rce", "parallel"}),
-    ("data, reports", {"data", "report"}),
+    ("data", {"data"}),
     ("corpora", {"retrieval", "synthetic"}),
     ("agent", {"agent"}),
     ("trainers", {"sft", "train"}),
     ("audits, plans", {"audit", "plan"}),
+    ("reports", {"report"}),
 ]
 TOP_NAMES = {"cli", "commands", "__main__"}  # modules of the top floor, by their last name
 TOP = len(FLOORS)

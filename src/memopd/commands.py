@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from memopd.inputs import UsageError, existing, require
-from memopd.report.tables import write_csv, write_json
+from memopd.outputs import write_csv, write_json
 
 RCE_KEYS = ("dtype", "backends", "episodes", "calls", "prefix_tokens", "observation_tokens", "response_tokens")
 

@@ -55,7 +55,7 @@ _OFFLINE = (f"HF_HOME={shlex.quote(config['hub']['home'])} HF_HUB_OFFLINE=1 "
             f"TIKTOKEN_ENCODINGS_BASE={shlex.quote(str(encodings_dir(config['hub']['home'])))} "
             f'VLLM_CACHE_ROOT={_CACHE}/vllm" TRITON_CACHE_DIR={_CACHE}/triton" '
             f'TORCHINDUCTOR_CACHE_DIR={_CACHE}/inductor" ') if config.get("hub") else ""
-# config `label` (the controlled study): every table caption starts with it (memopd.report.tables.LABEL_VAR)
+# config `label` (the controlled study): every table caption starts with it (memopd.outputs.LABEL_VAR)
 _LABEL = f"MEMOPD_LABEL={shlex.quote(config['label'])} " if config.get("label") else ""
 PYTHON = _LABEL + _OFFLINE + PYTHON_ONLINE
 MEMOPD = f"{PYTHON} -m memopd.cli"

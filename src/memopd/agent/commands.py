@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from memopd.inputs import UsageError, existing, section
-from memopd.report.tables import write_csv, write_json
+from memopd.outputs import write_csv, write_json
 
 
 def cmd_eval(args, cfg):

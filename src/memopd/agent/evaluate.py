@@ -19,7 +19,7 @@ from memopd.agent.protocol import Task, load_tasks
 from memopd.agent.rollout import rollout
 from memopd.config import RULES, AgentConfig, RolloutConfig, eval_overrides, per_benchmark, rollout_config
 from memopd.records import Episode, save_episodes
-from memopd.report.tables import write_csv, write_json
+from memopd.outputs import write_csv, write_json
 from memopd.retrieval import load_retriever
 
 def make_sampling(ro: RolloutConfig, **overrides) -> Sampling:

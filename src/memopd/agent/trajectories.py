@@ -238,6 +238,6 @@ def _teacher(kind: str, tc: dict, rollout_cfg: dict, tok, tasks, seed: int, serv
 
 
 def _write_json(path: str | Path, obj) -> None:
-    from memopd.report.tables import write_json
+    from memopd.outputs import write_json
 
     write_json(path, obj)

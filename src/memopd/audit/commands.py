@@ -8,7 +8,7 @@ from pathlib import Path
 
 from memopd.agent.commands import agent_args
 from memopd.inputs import UsageError, existing, require, section
-from memopd.report.tables import print_table, write_csv
+from memopd.outputs import print_table, write_csv
 
 
 def _audit_threads(args):

@@ -20,8 +20,8 @@ import torch
 
 from memopd.progress import Progress
 from memopd.records import Episode, load_episodes, save_episodes
-from memopd.report.tables import write_json as _write_json
-from memopd.report.tables import write_table
+from memopd.outputs import pyplot, save_figure, write_table
+from memopd.outputs import write_json as _write_json
 
 # --- episodes -------------------------------------------------------------------------------------
 
@@ -219,25 +219,8 @@ def teacher_divergence_step(cfg: dict, teacher_dir: str, episodes_path: str, out
     return rows
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    tmp.replace(path)
-
-
 def _teacher_figure(rows: list[dict], path: str, teacher: str, meta: dict) -> None:
-    plt = _plt()
+    plt = pyplot()
     x = [int(r["invocation"]) for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
     a1.plot(x, [r["top1_agreement"] for r in rows], "o-")
@@ -250,10 +233,8 @@ def _teacher_figure(rows: list[dict], path: str, teacher: str, meta: dict) -> No
     a2.legend()
     for a in (a1, a2):
         a.set_xticks(x)
-    fig.suptitle(f"teacher {teacher} on {meta['episodes']} {meta['benchmark']} rollouts of {meta['model']} "
-                 f"(rule {meta['rule']})", fontsize=9)
-    _save(fig, path)
-    plt.close(fig)
+    save_figure(fig, path, f"teacher {teacher} on {meta['episodes']} {meta['benchmark']} rollouts of {meta['model']} "
+                f"(rule {meta['rule']})", dpi=120, suptitle=True)
 
 
 def action_domain_step(cfg: dict, episodes_path: str, out: str) -> list[dict]:
@@ -393,7 +374,7 @@ def packing_step(cfg: dict, model_dir: str, episodes_path: str, out: str, figure
 def _packing_figure(rows: list[dict], path: str) -> None:
     from memopd.audit.packing_bench import rce_exact
 
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.5))
     best = {}
     for r in rows:
@@ -417,7 +398,6 @@ def _packing_figure(rows: list[dict], path: str) -> None:
     ax.plot([0, lim * 1.1], [0, lim * 1.1], "k--", lw=1, label="speedup = R")
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set(xlim=(0.9, lim * 1.1), ylim=(0, lim * 1.1), xlabel="token ratio R (independent / packed tokens)",
-           ylabel="speedup vs batched independent calls", title="fastest exact packed path per configuration")
+           ylabel="speedup vs batched independent calls")
     ax.legend(fontsize=8)
-    _save(fig, path)
-    plt.close(fig)
+    save_figure(fig, path, "fastest exact packed path per configuration", dpi=120, width=60)

@@ -19,7 +19,7 @@ def cmd_plan(args, cfg):
     text = markdown(cfg, jobs)
     print(text)
     if args.out:
-        from memopd.report.tables import write_csv
+        from memopd.outputs import write_csv
 
         write_csv(args.out, rows(jobs))
         Path(args.out).with_suffix(".md").write_text(text + "\n")

@@ -22,7 +22,7 @@ import subprocess
 from pathlib import Path
 
 from memopd.methods import MATCHED_METHODS as MATCHED
-from memopd.report.tables import write_json
+from memopd.outputs import write_json
 
 FORMAT = 1
 MANIFEST = "archive.json"
@@ -82,7 +82,7 @@ def write_archive(train: dict, reward: str, eval_dir: str | Path, train_dir: str
                   commit: str, label: str = "") -> dict:
     """Copy what `contents(train)` names from `eval_dir` / `train_dir` into `out` (replacing its eval/ and train/)
     and write its manifest (last, so an interrupted archive has none). A missing file is named before anything is
-    written. `label`: the run's label, which prefixes its captions (memopd.report.tables.LABEL_VAR)."""
+    written. `label`: the run's label, which prefixes its captions (memopd.outputs.LABEL_VAR)."""
     eval_dir, train_dir, out = Path(eval_dir), Path(train_dir), Path(out)
     evals, runs = contents(train)
     sources = [eval_dir / m / f"{b}{ext}" for m, b in evals for ext in (".json", ".csv")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memopd.inputs import existing, require
-from memopd.report.tables import print_table, write_table
+from memopd.outputs import print_table, write_table
 
 RESULTS_KEYS = ("methods", "seeds", "horizons", "student", "teacher", "steps", "batch_tasks")  # the `train` section
 MATCHED_KEYS = ("seeds", "student", "teacher", "benchmark", "steps", "batch_tasks")
@@ -114,7 +114,7 @@ def cmd_report_archive(args, cfg):
     import os
 
     from memopd.report.archive import git_commit, write_archive
-    from memopd.report.tables import LABEL_VAR
+    from memopd.outputs import LABEL_VAR
 
     require(cfg, *RESULTS_KEYS, "benchmark")
     m = write_archive(cfg, args.reward, args.eval_dir, args.train_dir, args.out, git_commit(Path(__file__).parent),
@@ -129,7 +129,7 @@ def cmd_report_from_archive(args, cfg):
 
     from memopd.report.archive import metrics_files, read_archive
     from memopd.report.results import matched_control_table
-    from memopd.report.tables import LABEL_VAR
+    from memopd.outputs import LABEL_VAR
 
     manifest = read_archive(args.archive)
     train, out, eval_dir = manifest["train"], Path(args.out_dir), Path(args.archive) / "eval"

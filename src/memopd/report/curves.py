@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from memopd.methods import ORDER as METHOD_ORDER
-from memopd.report.results import figure_title
+from memopd.outputs import pyplot, save_figure
 
 # (metrics.jsonl key, panel title); the keys train/loop.py and train/ppo.py write every step
 PANELS = (
@@ -66,11 +66,9 @@ def panel_titles(reward: str = "") -> list[str]:
 
 def curves_figure(runs: dict[str, dict[int, list[dict]]], path: str | Path, title: str = "", reward: str = "") -> dict:
     """The 2x2 figure of PANELS (PNG at `path`); returns {key: {method: curve}} of what it drew."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
+
+    plt = pyplot()
 
     methods = ordered(runs)
     colors = {m: f"C{i}" for i, m in enumerate(methods)}
@@ -93,12 +91,7 @@ def curves_figure(runs: dict[str, dict[int, list[dict]]], path: str | Path, titl
     for ax in axes[-1]:
         ax.set_xlabel("training step")
     # wrapped: a title naming every method and seed is wider than the figure
-    title = figure_title(title or "Training curves: mean over seeds, band = min-max over seeds", 120)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, metadata={"Title": title})
-    plt.close(fig)
+    save_figure(fig, path, title or "Training curves: mean over seeds, band = min-max over seeds", suptitle=True)
     return drawn
 
 

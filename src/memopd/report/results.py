@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import textwrap
 from pathlib import Path
 
 from memopd.methods import MATCHED_METHODS as METHODS_OF_THE_CONTROL
-from memopd.report.tables import LABEL_VAR
+from memopd.outputs import pyplot, save_figure
 from memopd.stats import (NAN, VERDICT_RULE, SeedTest, compare_seeds, holm, noise_verdict, one_sample_test, paired_bca,
                           relative_change_pct, t_interval, two_level_bootstrap)
 
@@ -80,13 +78,6 @@ def load_reference(eval_dir: str | Path, models: list[str], benchmarks: list[str
     evaluation each, the rows Tables 1-2 put above the methods for scale."""
     return {(m, b): _eval_json(Path(eval_dir) / m / f"{b}.json", f"SFT model {m}, benchmark {b}")
             for m in models for b in benchmarks}
-
-
-def figure_title(title: str, width: int) -> str:
-    """`title` with the run's label in front (the workflow's `label`, e.g. the controlled study; as each table's
-    caption), wrapped to `width` characters. Figures also carry it as their PNG Title."""
-    label = os.environ.get(LABEL_VAR, "")
-    return textwrap.fill(f"{label}: {title}" if label else title, width)
 
 
 def horizon_order(horizons: dict[str, str]) -> dict[str, str]:
@@ -208,11 +199,7 @@ def table_notes(rows: list[dict], metrics: tuple[str, ...] = ("em", "f1")) -> li
 
 def horizon_figure(rows: list[dict], path: str | Path, metric: str = "f1") -> None:
     """F1 vs horizon per method, with the 95% t intervals of the mean over seeds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     sel = [r for r in rows if r["metric"] == metric]
     horizons = list(dict.fromkeys(r["horizon"] for r in sel))
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -226,12 +213,7 @@ def horizon_figure(rows: list[dict], path: str | Path, metric: str = "f1") -> No
     ax.set_xlabel("horizon (questions per task)")
     ax.set_ylabel(f"{metric.upper()} (mean over seeds, 95% t interval)")
     ax.legend()
-    title = figure_title(f"{metric.upper()} by horizon", 60)
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150, metadata={"Title": title})
-    plt.close(fig)
+    save_figure(fig, path, f"{metric.upper()} by horizon", dpi=150, width=60)
 
 
 def noise_label(lo: float, hi: float) -> str:
@@ -421,7 +403,7 @@ def matched_control_config(cfg: dict) -> tuple[list[int], str]:
 def matched_control_table(cfg: dict, eval_dir: str | Path, out_csv: str | Path) -> list[dict]:
     """results/tables/matched_control.{csv,md} from results/eval/{method}_seed{seed}/{benchmark}.json.
     cfg: the `train` config section (its matched_control gives seeds and benchmark)."""
-    from memopd.report.tables import write_table
+    from memopd.outputs import write_table
 
     seeds, benchmark = matched_control_config(cfg)
     scores = load_scores(eval_dir, MATCHED_METHODS, seeds, [benchmark])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from memopd.inputs import UsageError
 from memopd.report.results import paired_over_tasks, task_scores
-from memopd.report.tables import write_table
+from memopd.outputs import write_table
 
 
 def model_row(name: str, heldout: dict, ev: dict, info: dict) -> dict:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from memopd.inputs import existing, require, section
-from memopd.report.tables import write_csv
+from memopd.outputs import write_csv
 
 
 def cmd_retrieval_corpus(args, cfg):

@@ -10,7 +10,7 @@ from memopd.inputs import ConfigError
 from memopd.retrieval import format_passages, load_retriever
 from memopd.retrieval.corpus import build_corpus, read_corpus
 from memopd.retrieval.recall import RECALL_COLUMNS, recall_rows, sample_questions, time_queries
-from memopd.report.tables import write_csv
+from memopd.outputs import write_csv
 
 BACKENDS = ("bm25", "e5")
 

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from memopd.inputs import ConfigError, UsageError, existing, require, section
-from memopd.report.tables import write_csv, write_json
+from memopd.outputs import write_csv, write_json
 
 
 @contextmanager

@@ -1,9 +1,13 @@
-"""Tables as CSV (for machines) and Markdown (for people, with a caption saying what produced them)."""
+"""What every step writes for people and machines: JSON, tables as CSV (for machines) and Markdown (for people,
+with a caption saying what produced them), and figures (PNG, titled). Each table caption and figure title starts
+with the run's label (config `label`, set by the workflow in LABEL_VAR), so a table or figure of the controlled
+study cannot be taken for the real model's."""
 from __future__ import annotations
 
 import csv
 import json
 import os
+import textwrap
 from pathlib import Path
 
 
@@ -74,3 +78,37 @@ def print_table(rows: list[dict], csv_path: str | Path) -> None:
     """Show a written table (its Markdown) on stdout, for the step's log."""
     print(Path(csv_path).with_suffix(".md").read_text())
     print(f"{len(rows)} rows -> {csv_path}")
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display on a cluster node)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def figure_title(title: str, width: int) -> str:
+    """`title` with the run's label in front (as each table's caption), wrapped to `width` characters."""
+    label = os.environ.get(LABEL_VAR, "")
+    return textwrap.fill(f"{label}: {title}" if label else title, width)
+
+
+def save_figure(fig, path: str | Path, title: str, dpi: int = 110, width: int = 120, suptitle: bool = False) -> str:
+    """Title `fig` (its axes' title, or the figure's with `suptitle`) with `figure_title` and save it as a PNG
+    carrying the same Title, atomically; closes it. Returns the title drawn."""
+    title = figure_title(title, width)
+    if suptitle:
+        fig.suptitle(title, fontsize=10)
+    else:
+        fig.axes[0].set_title(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=dpi, bbox_inches="tight", metadata={"Title": title})
+    tmp.replace(path)
+    pyplot().close(fig)
+    return title
