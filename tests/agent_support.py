@@ -87,7 +87,7 @@ def retriever():
 
 
 # --- scripted policies (they drive the real rollout loop; only the sampling is replaced). The scripted
-# teacher that knows the gold answers is the library one: memopd.agent.teacher.ScriptedTeacher.
+# teacher that knows the gold answers is the library one: memopd.teachers.scripted.ScriptedTeacher.
 
 class ListBackend:
     """Returns the given responses in order, one per generate row (use with batch_size 1)."""
@@ -110,11 +110,11 @@ class ListBackend:
 
 @cache
 def protocol_student(steps: int = 30, seed: int = 0):
-    """The tiny student after a few seconds of SFT on scripted-teacher episodes (memopd.agent.teacher), so that the real HF backend
+    """The tiny student after a few seconds of SFT on scripted-teacher episodes (memopd.teachers.scripted), so that the real HF backend
     samples protocol-shaped responses (think blocks, searches, answers) plus some invalid ones."""
     from memopd.agent.rollout import rollout
     from memopd.config import AgentConfig
-    from memopd.agent.teacher import ScriptedTeacher
+    from memopd.teachers.scripted import ScriptedTeacher
 
     tok = tokenizer()
     tasks = nq_tasks(24, n_questions=2, start=100)

@@ -128,3 +128,16 @@ def test_a_changed_or_missing_file_is_named(archived, capsys):
               str(tmp / "results/eval"), "--train-dir", str(tmp / "results/train"), "--out", str(tmp / "a2")])
     assert "memopd/seed4/metrics.jsonl" in capsys.readouterr().err
     assert not (tmp / "a2").exists()  # nothing written
+
+
+def test_an_archive_never_replaces_the_results_it_archives_and_lists_only_what_it_wrote(archived):
+    from memopd.report.archive import write_archive
+
+    results = archived / "results"
+    before = sorted(p.relative_to(results) for p in results.rglob("*"))
+    with pytest.raises(ValueError, match="would replace"):
+        write_archive(TRAIN, "f1", results / "eval", results / "train", results, commit="x")
+    assert sorted(p.relative_to(results) for p in results.rglob("*")) == before  # nothing deleted
+    (archived / "archive" / "notes.txt").write_text("a stray file beside the archive")
+    manifest = write_archive(TRAIN, "f1", results / "eval", results / "train", archived / "archive", commit="x")
+    assert "notes.txt" not in manifest["files"] and read_archive(archived / "archive")["commit"] == "x"

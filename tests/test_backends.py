@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from agent_support import random_student, tokenizer
-from memopd.agent.backends import (HFBackend, Sampling, VLLMBackend, growing_cache, prefill_groups, sample_next,
+from memopd.generation.backends import (HFBackend, Sampling, VLLMBackend, growing_cache, prefill_groups, sample_next,
                                    shared_prefix_len)
 from memopd.agent.protocol import encode
 from memopd.attention import independent_logits, token_logprobs
@@ -211,7 +211,7 @@ def test_bench_eval_on_real_episodes():
     """`memopd bench eval`'s work on real episodes: the rollout loop with the real BM25 retriever, each path's
     outcome the episodes' own call outputs, identical greedy outputs across paths."""
     from agent_support import nq_tasks, retriever
-    from memopd.agent import eval_bench
+    from memopd.evaluation import bench as eval_bench
     from memopd.agent.rollout import rollout
     from memopd.config import AgentConfig
 

@@ -58,7 +58,7 @@ def test_sft_checkpointing_gives_the_same_loss_and_gradients(examples, mode, bac
 
 def test_sft_training_with_checkpointing_follows_the_plain_run(examples, tmp_path):
     """A few optimizer steps of the trainer with `activation_checkpointing`: the same losses and weights."""
-    cfg = replace(CFG, steps=3, eval_every=0, checkpoint_every=1000, backend="segmented")
+    cfg = replace(CFG, steps=3, eval_every=0, checkpoint_every=1000, attention="segmented")
     runs = {}
     for ckpt in (False, True):
         model, logs = tiny(), []
@@ -82,7 +82,7 @@ def test_ppo_update_with_checkpointing_equals_the_plain_update(backend):
             parallel.checkpoint_activations(critic)
             assert parallel.is_checkpointed(critic) and not parallel.is_checkpointed(ref)
         m = ppo_update(_episodes(), policy, ref, critic, teacher, a_opt, c_opt,
-                       PPOConfig(method="memopd", opd_lambda=0.5, minibatch_episodes=2, backend=backend))
+                       PPOConfig(method="memopd", opd_lambda=0.5, minibatch_episodes=2, attention=backend))
         runs[ckpt] = (m, {**{f"p.{k}": v for k, v in policy.state_dict().items()},
                           **{f"c.{k}": v for k, v in critic.state_dict().items()}})
     for k in ("actor/loss", "value/loss", "opd/loss", "actor/grad_norm", "critic/grad_norm"):
@@ -97,7 +97,7 @@ def test_prefix_shared_refuses_checkpointed_models():
     parallel.checkpoint_activations(policy)
     with pytest.raises(ValueError, match="prefix_shared"):
         ppo_update(_episodes(), policy, ref, critic, teacher, a_opt, c_opt,
-                   PPOConfig(method="memopd", backend="prefix_shared", rce_sample=0))
+                   PPOConfig(method="memopd", attention="prefix_shared", rce_sample=0))
 
 
 def test_config_options_and_defaults():
@@ -160,7 +160,7 @@ def test_fsdp_sft_on_two_ranks_equals_one_process(examples, tmp_path):
     """FSDP2 (fp32 shards, sum reduce-scatter) with activation checkpointing, world 2 x accumulation 1,
     against one plain process with accumulation 2 (the same bins per step): the same losses, gradient
     norms, held-out loss and weights (fp32, 1e-5 relative)."""
-    cfg = replace(CFG, steps=4, eval_every=2, checkpoint_every=1000, backend="segmented")
+    cfg = replace(CFG, steps=4, eval_every=2, checkpoint_every=1000, attention="segmented")
     held = examples[:5]
     single, logs = tiny(), []
     s1 = train(single, examples, held, cfg, 0, tmp_path / "single", log=lambda m, s: logs.append(m), progress=False)

@@ -92,7 +92,7 @@ def test_a_commands_argument_defaults_are_part_of_its_hash(made_up):
 
 
 def test_the_trajectory_chunks_fingerprint_the_code_that_plays_them():
-    from memopd.agent.shards import PLAYER, code_digest
+    from memopd.teachers.shards import PLAYER, code_digest
 
     mods = module_files(SRC)
     assert {"memopd.agent.rollout", "memopd.retrieval", "memopd.data.compose", "memopd.records"} <= closure(PLAYER, mods)

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import memopd.agent.evaluate as evaluate
+import memopd.evaluation.evaluate as evaluate
 from agent_support import nq_tasks, random_student, retriever, tokenizer
-from memopd.agent.evaluate import aggregate
+from memopd.evaluation.evaluate import aggregate
 from memopd.agent.protocol import load_tasks
 from memopd.cli import main
 from memopd.records import load_episodes
@@ -86,7 +86,7 @@ def test_eval_several_benchmarks_equal_separate_runs(tmp_path, monkeypatch):
 
 def _budgets(cfg: dict) -> dict[str, int]:
     """Effective evaluation response budget per benchmark (what memopd eval samples with)."""
-    from memopd.agent.evaluate import make_sampling
+    from memopd.generation.backends import make_sampling
     from memopd.config import eval_overrides, rollout_config
 
     return {b: make_sampling(rollout_config(cfg), **eval_overrides(cfg["eval"], b)).max_new_tokens
@@ -198,13 +198,14 @@ def test_config_sections_build(cfg_file):
 
     from agent_support import ROOT
     from memopd.config import AgentConfig, RolloutConfig, rollout_config
+    from memopd.generation.backends import make_sampling
 
     cfg = yaml.safe_load((ROOT / cfg_file).read_text())
     agent = AgentConfig.from_dict(cfg["agent"], batch_size=cfg["rollout"]["batch_size"])
     assert agent.max_turns("q16_test") > agent.max_turns("q8_test") > agent.max_turns("q2_test")
     ro = rollout_config(cfg)
     assert ro.engine == cfg["rollout"]["backend"] and ro.batch_size == cfg["rollout"]["batch_size"]
-    assert evaluate.make_sampling(ro).max_new_tokens == cfg["rollout"]["max_new_tokens"]
+    assert make_sampling(ro).max_new_tokens == cfg["rollout"]["max_new_tokens"]
     with pytest.raises(ValueError):
         AgentConfig.from_dict({**cfg["agent"], "bogus": 1})
     with pytest.raises(ValueError, match="bogus"):

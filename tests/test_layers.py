@@ -13,10 +13,12 @@ lowest first:
   3 on the forward rce, parallel
   4 data           data
   5 corpora        retrieval, synthetic
-  6 agent          agent
-  7 trainers       sft, train
-  8 audits, plans  audit, plan
-  9 reports        report (the tables and figures over runs, audits and plans: the last stage)
+  6 agent          agent (protocol, memory rules, the rollout loop)
+  7 generation     generation (the engines the agent samples with, the training engine's weight sync)
+  8 teachers, evaluation  teachers (scripted, LLM, the trajectory step), evaluation
+  9 trainers       sft, train
+ 10 audits, plans  audit, plan
+ 11 reports        report (the tables and figures over runs, audits and plans: the last stage)
   top              cli, __main__ and every module named `commands` (memopd.commands, sft.commands, ...): they
                    may import anything, and nothing below the top may import them
 
@@ -43,6 +45,8 @@ FLOORS = [
     ("data", {"data"}),
     ("corpora", {"retrieval", "synthetic"}),
     ("agent", {"agent"}),
+    ("generation", {"generation"}),
+    ("teachers, evaluation", {"teachers", "evaluation"}),
     ("trainers", {"sft", "train"}),
     ("audits, plans", {"audit", "plan"}),
     ("reports", {"report"}),

@@ -54,7 +54,7 @@ BATCH = 16  # episodes per update
 LR = 1e-2  # AdamW, actor and critic
 OPD_COEF = 1.0  # lambda: large, so that the toy shows the teacher term's effect (paper: 0.02)
 PPO_KW = dict(clip=0.2, entropy_coef=0.1, beta=0.001, gamma=1.0, gae_lambda=1.0, ppo_epochs=1, minibatch_episodes=8,
-              max_grad_norm=1.0, teacher_select="all", backend="sdpa", rce_sample=1)
+              max_grad_norm=1.0, teacher_select="all", attention="sdpa", rce_sample=1)
 PPO_WINDOW, PPO_MARGIN = 5, 0.5  # asserted: mean reward(last 5) - mean reward(first 5) >= 0.5
 KL_WINDOW, KL_RATIO = 3, 0.1  # asserted: mean KL(last 3) < 0.1 x mean KL(first 3)
 REACH, REACH_WINDOW = 0.8, 3  # reported: first update whose running mean reward reaches 0.8

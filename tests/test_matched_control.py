@@ -81,7 +81,7 @@ def test_increments_match_a_plain_computation(table, other, base, paper):
         assert float(r["diff_ci_high"]) == pytest.approx(statistics.fmean(d) + half, abs=1e-3 * half)
         zeros = sum(abs(x) < 1e-12 for x in d)  # a zero difference's sign changes nothing
         assert float(r["p"]) == pytest.approx(_sign_flip(d)) and float(r["p_min"]) == pytest.approx(2 ** (1 + zeros) / 64)
-        assert float(r["paper_change_pct"]) == paper[metric] and int(r["comparisons"]) == 4
+        assert float(r["paper_change_pct"]) == paper[metric] and int(r["table_tests"]) == 4
         assert r["role"] == ("primary" if metric == "f1" else "secondary")
 
 

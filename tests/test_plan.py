@@ -188,7 +188,7 @@ def measure(kind: str, role: str = "student") -> dict:
         ppo_update(episodes, policy, ref, critic, teacher, torch.optim.AdamW(policy.parameters()),
                    torch.optim.AdamW(critic.parameters()),
                    PPOConfig(method="memopd", opd_lambda=pp["opd_coef"], minibatch_episodes=pp["minibatch_episodes"],
-                             backend=pp["backend"], chunk_size=pp["chunk_size"], rce_sample=pp["rce_sample"],
+                             attention=pp["backend"], chunk_size=pp["chunk_size"], rce_sample=pp["rce_sample"],
                              dtype=t["dtype"]))
         n = len(pack(episodes[0]))
     # VmHWM, the peak RSS of this process's own memory: ru_maxrss would carry the parent's peak over the
@@ -242,7 +242,7 @@ def test_paper_plan_fits_on_80gb_gpus():
 
 
 def test_rce_rollouts_fits_beside_its_engine():
-    """rce_rollouts keeps its vLLM engine up while the audited model scores: at evaluate.make_backend's default
+    """rce_rollouts keeps its vLLM engine up while the audited model scores: at generation.backends.make_backend's default
     share (0.85 x 80 GB) the two need 86 GB; rce_rollouts.gpu_memory_utilization 0.5 leaves room. The behaviour
     log-probs (evaluate.behaviour_mismatch) are chunked like RCE (all 393k action tokens x V at once: 597 GB)."""
     from memopd.plan import COMPARE_CHUNK, GB, failures, plan

@@ -78,7 +78,7 @@ CASES = [  # (method, teacher_select, backend)
 
 
 def _cfg(method, select, backend):
-    return PPOConfig(method=method, teacher_select=select, backend=backend, opd_lambda=0.7, clip=0.1, value_clip=0.05,
+    return PPOConfig(method=method, teacher_select=select, attention=backend, opd_lambda=0.7, clip=0.1, value_clip=0.05,
                      entropy_coef=0.03, beta=0.2, gamma=0.9, gae_lambda=0.8, ppo_epochs=2, minibatch_episodes=3,
                      max_grad_norm=5.0, rce_sample=0, seed=3)
 

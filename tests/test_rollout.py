@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from agent_support import ListBackend, nq_tasks, protocol_student, retriever, tokenizer
-from memopd.agent.backends import HFBackend, Sampling
+from memopd.generation.backends import HFBackend, Sampling
 from memopd.config import RULES
 from memopd.agent.rollout import rollout
 from memopd.config import AgentConfig
-from memopd.agent.teacher import ScriptedTeacher
+from memopd.teachers.scripted import ScriptedTeacher
 from memopd.attention import BACKENDS, independent_logits, token_logprobs
 from memopd.packing import pack
 from memopd.rce import rce_report

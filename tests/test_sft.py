@@ -29,7 +29,7 @@ TINY_SFT = {"min_reward": 0.5, "seq_len": 64, "grad_accum": 1, "lr": 3e-3, "min_
 POOL = list(range(3, 512))
 CFG = TrainConfig(seq_len=160, grad_accum=2, lr=3e-3, min_lr_ratio=0.1, warmup_steps=2, weight_decay=0.01,
                   betas=(0.9, 0.95), adam_eps=1e-8, clip=1.0, eval_fraction=0.1, eval_every=4, checkpoint_every=3,
-                  precision="fp32", mode="packed", backend="sdpa", log_every=1, steps=8)
+                  precision="fp32", mode="packed", attention="sdpa", log_every=1, steps=8)
 
 
 def tiny(seed=0):
@@ -299,7 +299,7 @@ def test_every_batch_mode_trains_the_same_objective(examples):
     curves = {}
     for mode, backend in (("packed", "sdpa"), ("packed", "segmented"), ("padded", "sdpa")):
         logs = []
-        train(tiny(), examples, [], replace(CFG, mode=mode, backend=backend, steps=4, checkpoint_every=1000), 0,
+        train(tiny(), examples, [], replace(CFG, mode=mode, attention=backend, steps=4, checkpoint_every=1000), 0,
               "/nonexistent-unused", log=lambda m, s: logs.append(m["train_loss"]), progress=False)
         curves[f"{mode}/{backend}"] = logs
     ref = curves.pop("packed/sdpa")
@@ -366,7 +366,7 @@ def test_two_ranks_equal_one_rank_with_twice_the_accumulation(examples, tmp_path
 @pytest.mark.gpu
 def test_bf16_autocast_training_on_gpu(examples, tmp_path):
     model = tiny().cuda()
-    cfg = replace(CFG, precision="bf16", backend="segmented", steps=20, lr=1e-2, eval_every=0, checkpoint_every=1000)
+    cfg = replace(CFG, precision="bf16", attention="segmented", steps=20, lr=1e-2, eval_every=0, checkpoint_every=1000)
     before = evaluate(model, examples, cfg)["target_loss"]
     train(model, examples, [], cfg, 0, tmp_path / "ck", progress=False)
     assert next(model.parameters()).dtype == torch.float32  # fp32 master weights

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from agent_support import ListBackend, ROOT, nq_tasks, random_student, retriever, tokenizer
-from memopd.agent.llm_teacher import LLMConfig, LLMTeacher, completion_generation, cut_after_action
+from memopd.teachers.llm import LLMConfig, LLMTeacher, completion_generation, cut_after_action
 from memopd.agent.protocol import Task, parse_response, prefix_ids
 from memopd.agent.rollout import rollout
 from memopd.config import AgentConfig
-from memopd.agent.teacher import ScriptedConfig, ScriptedTeacher, _find, evidence, keywords, memory_claims, passages
-from memopd.agent.trajectories import FILTER_PREVIEW, summarize, unsupported_claims
+from memopd.teachers.scripted import ScriptedConfig, ScriptedTeacher, _find, evidence, keywords, memory_claims, passages
+from memopd.teachers.trajectories import FILTER_PREVIEW, summarize, unsupported_claims
 from memopd.records import load_episodes
 
 CFG = AgentConfig(turns={"default": 6}, max_observation_tokens=128, batch_size=8, reward="f1")
@@ -238,7 +238,7 @@ def _step_inputs(tmp_path, n=7):
 
 
 def _traj(cfg, files, tmp_path, out, shard=None):
-    from memopd.agent.trajectories import trajectories_step
+    from memopd.teachers.trajectories import trajectories_step
 
     return trajectories_step(cfg, files, str(tmp_path / "index"), str(tmp_path / "tok"), str(out),
                              str(out.with_name(out.stem + "_stats.json")), seed=5, progress=False, shard=shard)
@@ -256,7 +256,7 @@ def test_shards_merged_equal_one_process(tmp_path, capsys):
     every task at once; each shard holds exactly its slice of that run. The scripted teacher is deterministic
     and every episode is sampled with the seeds of its position in the whole task list, so this is equality,
     not a statistical match. Failed before: one job, no --shard, no merge."""
-    from memopd.agent.shards import shard_bounds
+    from memopd.teachers.shards import shard_bounds
     from memopd.cli import main
 
     cfg, files, tasks = _step_inputs(tmp_path)
@@ -293,7 +293,7 @@ def test_one_shard_merged_is_the_one_process_file_byte_for_byte(tmp_path):
     """teacher.shards 1 (the embedded default): shard 0 plus the merge give the very bytes of the one-process
     step, which plays the tasks as before sharding existed (one rollout over every task)."""
     from memopd.agent.protocol import load_tasks
-    from memopd.agent.trajectories import merge_step
+    from memopd.teachers.trajectories import merge_step
     from memopd.records import save_episodes
 
     cfg, files, _ = _step_inputs(tmp_path, n=5)
@@ -316,8 +316,8 @@ def test_one_shard_merged_is_the_one_process_file_byte_for_byte(tmp_path):
 def test_a_rerun_shard_plays_only_the_chunks_it_lacks(tmp_path, monkeypatch):
     """A shard killed after its first chunk (2 of its 4 tasks) is rerun: it rolls out the second chunk only
     and writes the same file as an uninterrupted run. Chunks of other work (here another seed) are dropped."""
-    import memopd.agent.trajectories as traj
-    from memopd.agent.shards import Chunks
+    import memopd.teachers.trajectories as traj
+    from memopd.teachers.shards import Chunks
 
     cfg, files, _ = _step_inputs(tmp_path, n=7)
     cfg = {**cfg, "teacher": {**cfg["teacher"], "shards": 2, "chunk_tasks": 2}}
@@ -461,7 +461,7 @@ def test_llm_teacher_shards_send_the_one_process_seeds(tmp_path):
     """The LLM teacher (a stand-in server at teacher.llm.url) in 2 shards of chunks of 2 tasks: every call
     goes out with the seed it has in one process playing all 5 tasks, so a server that samples by the
     request's seed returns the same episodes; the merge then equals the one-process file."""
-    from memopd.agent.trajectories import merge_step
+    from memopd.teachers.trajectories import merge_step
 
     cfg, files, tasks = _step_inputs(tmp_path, n=5)
     _StandIn.teacher, _StandIn.bodies = ScriptedTeacher(tokenizer(), tasks), []
@@ -494,7 +494,7 @@ def test_vllm_server_runs_under_the_steps_own_interpreter(tmp_path, monkeypatch)
     (so a lookup with shutil.which("vllm") would refuse to start). No server is started here."""
     import sys
 
-    from memopd.agent.llm_teacher import VLLMServer
+    from memopd.teachers.llm import VLLMServer
 
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH
     server = VLLMServer("openai/gpt-oss-120b", tmp_path / "vllm.log", seed=3, port=8123, max_model_len=4096)
@@ -516,7 +516,7 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 def test_llm_teacher_real_vllm(tmp_path, engine):
     """A real vLLM (tiny student weights, same tokenizer: prompt ids) behind the LLM teacher: seeded,
     exact ids with log-probs, episodes valid through the rollout loop."""
-    from memopd.agent.llm_teacher import VLLMServer
+    from memopd.teachers.llm import VLLMServer
 
     tok = tokenizer()
     random_student(0).save_pretrained(tmp_path / "m")

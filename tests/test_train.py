@@ -10,7 +10,7 @@ from memopd.rce import RCEError
 from memopd.synthetic import random_episode
 from memopd import parallel
 from memopd.train.ppo import PPOConfig, ValueModel, ppo_update, score_batch
-from memopd.train.weight_sync import policy_weights
+from memopd.generation.weight_sync import policy_weights
 
 
 def _lm(hidden, seed):
@@ -72,7 +72,7 @@ def test_rce_guard_fires_before_any_update():
     policy, ref, critic, teacher, a_opt, c_opt = _setup()
     before = copy.deepcopy(policy.state_dict())
     with pytest.raises(RCEError, match=r"episode \d+ task 'e\d' call"):
-        ppo_update(_episodes(), policy, ref, critic, teacher, a_opt, c_opt, PPOConfig(backend="posids_no_mask"))
+        ppo_update(_episodes(), policy, ref, critic, teacher, a_opt, c_opt, PPOConfig(attention="posids_no_mask"))
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
 
 
@@ -215,7 +215,7 @@ def test_the_engine_wakes_up_after_the_allocators_cache_is_freed(monkeypatch):
     wake-up allocates through the driver, so the cache must be emptied first, then the weights loaded."""
     from types import SimpleNamespace
 
-    from memopd.train.weight_sync import WeightSync
+    from memopd.generation.weight_sync import WeightSync
 
     calls = []
     model = SimpleNamespace(load_weights=lambda weights: calls.append(("load_weights", len(list(weights)))))

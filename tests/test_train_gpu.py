@@ -30,7 +30,7 @@ def test_cuda_bf16_tiny_lr_moves_the_master_weights():
     a_opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     c_opt = torch.optim.AdamW(critic.parameters(), lr=1e-6)
     m = ppo_update(_episodes(), policy, ref, critic, teacher, a_opt, c_opt,
-                   PPOConfig(dtype="bfloat16", minibatch_episodes=4, backend="sdpa"))
+                   PPOConfig(dtype="bfloat16", minibatch_episodes=4, attention="sdpa"))
     assert m["ppo/first_ratio_err"] <= 1e-2 and m["rce/max_abs_dlogp"] <= 5e-2
     assert _moved_fraction(before, policy) > 0.99
 
@@ -39,8 +39,8 @@ def test_cuda_bf16_tiny_lr_moves_the_master_weights():
 def test_cuda_training_step_matches_cpu(backend):
     """One fp32 update on CUDA: the RCE guard holds at the fp32 tolerance on the GPU kernels, and losses
     and gradient norms are the CPU step's up to kernel summation order."""
-    cfg = PPOConfig(method="memopd", opd_lambda=0.5, minibatch_episodes=2, backend=backend, rce_sample=2)
-    cpu = ppo_update(_episodes(), *_setup(), PPOConfig(**{**cfg.__dict__, "backend": "sdpa"}))
+    cfg = PPOConfig(method="memopd", opd_lambda=0.5, minibatch_episodes=2, attention=backend, rce_sample=2)
+    cpu = ppo_update(_episodes(), *_setup(), PPOConfig(**{**cfg.__dict__, "attention": "sdpa"}))
     policy, ref, critic, teacher, _, _ = (m.cuda() if isinstance(m, torch.nn.Module) else m for m in _setup())
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     a_opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
@@ -85,7 +85,7 @@ def test_weight_sync_makes_the_engine_sample_from_the_trainer_policy(tmp_path):
     sleep mode: release (weights offloaded, KV cache dropped), sync again, still the trainer's model."""
     _vllm()
     from memopd.config import RolloutConfig
-    from memopd.train.weight_sync import WeightSync, colocated_llm, engine_model
+    from memopd.generation.weight_sync import WeightSync, colocated_llm, engine_model
 
     tok = tokenizer()
     random_student(7).save_pretrained(tmp_path / "init")

@@ -177,7 +177,8 @@ def test_result_tables_quote_the_paper_and_give_a_verdict_per_comparison():
     assert got[("memopd_persistent", "Q2", "f1")]["paper_rel_to_ppo_pct"] != got[("memopd_persistent", "Q2", "f1")]["paper_rel_to_ppo_pct"]  # NaN
     assert got[("memopd", "Q2", "f1")]["noise"] == "outside the noise" and got[("ppo", "Q2", "f1")]["noise"] == ""
     assert got[("memopd_persistent", "Q2", "f1")]["noise"] == "inside the noise"
-    assert {r["comparisons"] for r in rows if r["method"] != "ppo"} == {8}
+    assert {r["table_tests"] for r in rows if r["method"] != "ppo"} == {8}
+    assert {r["family_size"] for r in rows if r["role"] == "primary"} == {2}
     secondary = [r for r in rows if r["role"] == "secondary"]
     assert len(secondary) == 6 and {r["role"] for r in rows if r["metric"] == "f1" and r["horizon"] == "Q2" and r["method"] != "ppo"} == {"primary"}
     # Holm over the 6 secondary p values, by hand: sorted, times 6, 5, ..., running maximum
@@ -219,7 +220,7 @@ def test_a_rank_share_of_a_batch_samples_the_single_process_episodes(setup):
     """rollout(tasks[r::W], indices=...) seeds every call by the task's batch position: rank r's share
     is exactly those episodes of the single-process rollout (batch_size 1: no padding effects)."""
     from agent_support import protocol_student, retriever, tokenizer
-    from memopd.agent.backends import HFBackend, Sampling
+    from memopd.generation.backends import HFBackend, Sampling
     from memopd.agent.rollout import rollout
     from memopd.config import AgentConfig
 
@@ -358,7 +359,7 @@ def test_the_train_section_is_typed_once_with_the_schemas_defaults():
     stated = {k: v["default"] for k, v in schema["properties"].items() if "default" in v}
     assert stated and all(getattr(run, k) == v for k, v in stated.items()), stated
     ppo_schema = schema["properties"]["ppo"]["properties"]
-    field_of = {"lam": "gae_lambda", "opd_coef": "opd_lambda"}  # config keys spelt otherwise in PPOConfig
+    field_of = {"lam": "gae_lambda", "opd_coef": "opd_lambda", "backend": "attention"}  # spelt otherwise in PPOConfig
     assert all(getattr(run.ppo, field_of.get(k, k)) == v["default"] for k, v in ppo_schema.items() if "default" in v)
     assert {field_of.get(k, k) for k in ppo_schema} == {f.name for f in fields(PPOConfig)} - {
         "method", "seed", "dtype", "vocab"}
@@ -519,7 +520,7 @@ def test_each_method_is_compared_with_its_sft_student_task_by_task(tmp_path):
     m = rows[("memopd", "f1")]
     signs = [sum(0.05 if (i + s) % 2 else -0.05 for i in range(40)) / 40 for s in seeds]  # 0 on every seed
     assert m["diff"] == pytest.approx(sum(signs) / 6, abs=1e-12) and m["noise"] == "inside the noise"
-    assert rows[("ppo", "em")]["role"] == "secondary" and rows[("ppo", "f1")]["comparisons"] == 4
+    assert rows[("ppo", "em")]["role"] == "secondary" and rows[("ppo", "f1")]["table_tests"] == 4
     assert rows[("ppo", "f1")]["tasks"] == 40 and rows[("ppo", "f1")]["seeds"] == 6
 
     [one] = [r for r in vs_student_rows(tmp_path, "student_sft", ["ppo"], [1], {"q2_test": "Q2"}) if r["metric"] == "f1"]
@@ -641,7 +642,7 @@ def test_models_are_sharded_as_they_come_and_the_teacher_loads_last(monkeypatch,
 def test_memopd_self_distils_from_the_sft_student_itself(setup, tmp_path):
     """The regularisation control: the frozen teacher is the SFT student, scored on the exact state, so at the first
     update (the policy still the student) the reverse KL on the teacher tokens is 0; `memopd` with another teacher's
-    is not, and neither is `memopd_self` scored on the persistent flattening (that would be another state)."""
+    is not."""
     d, cfg = setup
     one = {**cfg, "train": {**cfg["train"], "steps": 1}}
 

@@ -87,7 +87,7 @@ def test_multi_gpu_jobs_stay_on_one_node(paper_dry_run):
 
 
 def test_the_gpu_stack_pins_one_exact_vllm():
-    """memopd.train.weight_sync reaches into vLLM's engine internals: pyproject's [gpu] extra and
+    """memopd.generation.weight_sync reaches into vLLM's engine internals: pyproject's [gpu] extra and
     envs/gpu.yaml pin the same exact version (failed before: vllm>=0.10, any future release)."""
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
     env = yaml.safe_load((REPO / "envs" / "gpu.yaml").read_text())["dependencies"]

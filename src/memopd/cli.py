@@ -12,10 +12,11 @@ import os
 import sys
 
 from memopd import commands, prefetch
-from memopd.agent import commands as agent
 from memopd.audit import commands as audit
 from memopd.data import commands as data
 from memopd.data.loaders import DataConfigError, DataFormatError
+from memopd.evaluation import commands as evaluation
+from memopd.generation import commands as generation
 from memopd.inputs import UsageError, one_line, parse_cfg
 from memopd.plan import commands as plan
 from memopd.report import commands as report
@@ -23,7 +24,7 @@ from memopd.retrieval import commands as retrieval
 from memopd.sft import commands as sft
 from memopd.train import commands as train
 
-REGISTERS = (commands.register, agent.register, train.register, report.register, sft.register, audit.register,
+REGISTERS = (commands.register, evaluation.register, generation.register, train.register, report.register, sft.register, audit.register,
              data.register, retrieval.register, plan.register, prefetch.register)
 GROUPS = {"model": "model checkpoints",
           "report": "tables and figures",

@@ -135,21 +135,21 @@ def command_targets(src: Path, package: str = "memopd") -> dict[str, str]:
     out = {}
     for module, path in module_files(src, package).items():
         for node in ast.walk(_tree(path)):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add"
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "cli" and len(node.args) >= 2 and isinstance(node.args[0], ast.Constant)
-                    and isinstance(node.args[0].value, str) and isinstance(node.args[1], ast.Name)):
+            if _is_add(node) and len(node.args) >= 2 and isinstance(node.args[1], ast.Name):
                 out[node.args[0].value] = f"{module}:{node.args[1].id}"
     return out
 
 
+def _is_add(n: ast.AST) -> bool:
+    """A `cli.add("<command>", ...)` call."""
+    return (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "add"
+            and isinstance(n.func.value, ast.Name) and n.func.value.id == "cli" and bool(n.args)
+            and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str))
+
+
 def _adds(node: ast.AST) -> str | None:
     """The command a statement registers (a `cli.add("<command>", ...)` call anywhere in it), or None."""
-    for n in ast.walk(node):
-        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "add"
-                and isinstance(n.func.value, ast.Name) and n.func.value.id == "cli" and n.args
-                and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)):
-            return n.args[0].value
-    return None
+    return next((n.args[0].value for n in ast.walk(node) if _is_add(n)), None)
 
 
 def registration(command: str, src: Path, package: str = "memopd") -> str:
@@ -173,10 +173,11 @@ def registration(command: str, src: Path, package: str = "memopd") -> str:
     return ""
 
 
-def command_hash(command: str, src: Path, package: str = "memopd") -> str:
+def command_hash(command: str, src: Path, package: str = "memopd", targets: dict[str, str] | None = None) -> str:
     """`code_hash` of the function running `command`, and of the statements registering its arguments (their
-    defaults are part of what the step runs): "module:function@hash"."""
-    target = command_targets(src, package)[command]
+    defaults are part of what the step runs): "module:function@hash". `targets`: `command_targets(src, package)`,
+    when the caller holds it already."""
+    target = (targets or command_targets(src, package))[command]
     h = hashlib.sha256((code_hash(target, src, package) + "\0" + registration(command, src, package)).encode())
     return f"{target}@{h.hexdigest()[:16]}"
 

@@ -136,6 +136,15 @@ def agent_config(cfg: dict, **overrides) -> AgentConfig:
         raise ConfigError(f"config section 'agent': {e}") from None
 
 
+MATCHED_DEFAULT_BENCHMARK = "q2_test"
+
+
+def matched_control_config(train: dict) -> tuple[list[int], str]:
+    """(seeds, benchmark) of the `train` section's matched_control (defaults: train.seeds, q2_test)."""
+    mc = train.get("matched_control") or {}
+    return list(mc.get("seeds", train["seeds"])), mc.get("benchmark", MATCHED_DEFAULT_BENCHMARK)
+
+
 def per_benchmark(value, bench: str):
     """A config value given once or per benchmark file name ({name: value, default: value})."""
     return value.get(bench, value.get("default")) if isinstance(value, dict) else value

@@ -10,11 +10,12 @@ Over seeds (Tables 1-2, the matched control, each method against its SFT student
   interval of a mean.
 Every two-sided p is the share of permutations whose |statistic| reaches the observed one. `holm` adjusts a
 table's secondary p values for how many it makes; `noise_verdict` turns an interval and a p into the words the
-tables use. A percentile bootstrap over 3-10 seeds is far too narrow (at n = 5 a nominal 95% interval covers
-~85%), so none is used over seeds.
+tables use. A percentile bootstrap over 3-10 seeds alone is far too narrow (at n = 5 a nominal 95% interval covers
+~85%), so no verdict over seeds rests on one.
 
 Over tasks (50-200 of them): `paired_bca` (scipy.stats.bootstrap, BCa) of a mean per-task difference, and
-`two_level_bootstrap` for several seeds' scores on the same tasks (seeds, then tasks, resampled).
+`two_level_bootstrap` for several seeds' scores on the same tasks (seeds, then tasks, resampled: a percentile
+interval of the spread of both, shown beside the test over seeds that gives the verdict).
 
 Over steps and repeats: `unpaired_bootstrap` (percentile; two blocks of a training run's steps) and
 `ratio_interval` (median speedup of benchmark repeats). Interval ends of the percentile bootstrap
@@ -26,7 +27,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 NAN = float("nan")
 ALPHA = 0.05        # "outside the noise": the interval excludes 0 and p <= ALPHA
@@ -98,7 +99,7 @@ def paired_test(base: list[float], other: list[float], level: float = 0.95) -> S
     if len(base) != len(other):
         raise ValueError(f"paired_test needs equally many values on both sides, got {len(base)} and {len(other)}")
     t = one_sample_test([o - b for b, o in zip(base, other)], level)
-    return SeedTest(t.diff, t.ci_low, t.ci_high, t.p, t.p_min, t.n, t.test if math.isnan(t.p) else "paired " + t.test)
+    return t if math.isnan(t.p) else replace(t, test="paired " + t.test)
 
 
 def split_sums(values: list[float], k: int):

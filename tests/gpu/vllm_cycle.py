@@ -1,4 +1,4 @@
-"""vLLM sleep -> allocation -> wake-up -> weight update, as a training step runs it (train/weight_sync.py): the engine
+"""vLLM sleep -> allocation -> wake-up -> weight update, as a training step runs it (generation/weight_sync.py): the engine
 sleeps, the update takes ~60 GB (GPU_CHECK_ALLOC_GB) and frees it, the engine wakes and takes the policy's weights.
 With `free_cached_memory` (empty_cache) first the wake-up must succeed; without it PyTorch's allocator still holds the
 60 GB, and the outcome is reported. Exit 75 (skip) without vllm or the model's weights in the Hugging Face cache."""
@@ -15,7 +15,7 @@ def cycle(llm, sync, policy, gb: float, empty: bool) -> str:
     empty_cache first) or, `empty` False, waking directly."""
     import torch
 
-    from memopd.train.weight_sync import engine_model, policy_weights
+    from memopd.generation.weight_sync import engine_model, policy_weights
 
     sync.release()  # sleep level 1
     block = torch.empty(int(gb * 1e9), dtype=torch.uint8, device="cuda")
@@ -46,7 +46,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from memopd.config import RolloutConfig
-    from memopd.train.weight_sync import WeightSync, colocated_llm
+    from memopd.generation.weight_sync import WeightSync, colocated_llm
 
     llm = colocated_llm(path, RolloutConfig(dtype="bfloat16", vllm={"max_model_len": 4096}),
                         {"gpu_memory_utilization": 0.3, "sleep": True}, seed=0)

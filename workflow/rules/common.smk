@@ -41,6 +41,7 @@ try:
     from memopd.config import eval_job_config
     from memopd.methods import MATCHED_METHODS, METHODS, teacher_model
     from memopd.prefetch import encodings_dir, hub_repos, localize
+    from memopd.report.archive import contents as archive_contents
 finally:
     sys.path.remove(SRC)
 COMMANDS = command_targets(Path(SRC))  # "audit alignment" -> "memopd.audit.commands:cmd_audit_alignment"
@@ -102,7 +103,7 @@ def code(command):
     other commands' registration) parses arguments and computes nothing."""
     if command not in COMMANDS:
         raise ValueError(f"code({command!r}): no such memopd command")
-    return command_hash(command, Path(SRC))
+    return command_hash(command, Path(SRC), targets=COMMANDS)
 
 
 def _job_spec(name):

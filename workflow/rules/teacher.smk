@@ -1,4 +1,4 @@
-# SFT teacher trajectories (src/memopd/agent/teacher.py, llm_teacher.py, trajectories.py): the configured
+# SFT teacher trajectories (src/memopd/teachers/scripted.py, llm_teacher.py, trajectories.py): the configured
 # teacher plays the benchmark tasks through the student's rollout loop; its episodes, in the student's
 # token ids, are the input of the SFT data step.
 
@@ -9,7 +9,7 @@ TEACHER_TOKENIZER = ("results/models/student_init/model.safetensors" if "pretrai
                      else "results/models/tokenizer/tokenizer.json")
 
 
-# One job per shard (teacher.shards), each a slice of the tasks sampled as in one run (agent/shards.py); a
+# One job per shard (teacher.shards), each a slice of the tasks sampled as in one run (teachers/shards.py); a
 # rerun of a preempted shard plays only the chunks (teacher.chunk_tasks) it had not written. The merge
 # writes the one file the SFT data step reads.
 TRAJECTORY_SHARDS = list(range(TEACHER.get("shards", 1)))

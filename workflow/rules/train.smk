@@ -9,6 +9,8 @@ TRAINED = [f"{m}_seed{s}" for m in TRAIN["methods"] for s in TRAIN["seeds"]]
 # The matched control: methods fixed (memopd.methods.MATCHED_METHODS), runs {method}_seed{seed}.
 CONTROL = TRAIN["matched_control"]
 CONTROL_RUNS = [f"{m}_seed{s}" for m in MATCHED_METHODS for s in CONTROL["seeds"]]
+# What rule archive keeps: ([(model, benchmark)], [(method, seed)]) (memopd.report.archive.contents).
+ARCHIVE_EVALS, ARCHIVE_RUNS = archive_contents(TRAIN)
 
 
 rule train:
@@ -149,12 +151,8 @@ rule archive:
     # what the result tables read (every run's evaluations and training metrics, the SFT models' evaluations), small
     # enough to commit: `memopd report from-archive --archive results/archive --out-dir DIR` rebuilds the tables
     input:
-        evals=expand("results/eval/{model}/{benchmark}.json", model=TRAINED + [TRAIN["student"], TRAIN["teacher"]],
-                     benchmark=list(TRAIN["horizons"])),
-        control=expand("results/eval/{model}/{benchmark}.json", model=CONTROL_RUNS, benchmark=CONTROL["benchmark"]),
-        metrics=expand("results/train/{method}/seed{seed}/metrics.jsonl", method=TRAIN["methods"], seed=TRAIN["seeds"]),
-        control_metrics=expand("results/train/{method}/seed{seed}/metrics.jsonl",
-                               method=MATCHED_METHODS, seed=CONTROL["seeds"]),
+        evals=[f"results/eval/{model}/{bench}.json" for model, bench in ARCHIVE_EVALS],
+        metrics=[f"results/train/{method}/seed{seed}/metrics.jsonl" for method, seed in ARCHIVE_RUNS],
     output:
         manifest="results/archive/archive.json",
     params:

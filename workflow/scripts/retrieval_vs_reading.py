@@ -17,7 +17,7 @@ import pandas as pd
 from transformers import AutoTokenizer
 
 from memopd.agent.protocol import INFO, INFO_END
-from memopd.agent.teacher import passages
+from memopd.teachers.scripted import passages
 from memopd.metrics import exact_match, split_answers
 
 _INFO = re.compile(re.escape(INFO) + "(.*?)" + re.escape(INFO_END), re.DOTALL)

@@ -1,4 +1,4 @@
-"""The agent: MEM1 protocol, memory-rewrite rules, generation backends, the rollout loop."""
+"""The agent: MEM1 protocol, memory-rewrite rules, the rollout loop (generation engines: memopd.generation)."""
 from memopd.agent.memory import Turn, build_input
 from memopd.agent.protocol import Action, Task, parse_response
 from memopd.agent.rollout import Retriever, rollout

@@ -39,7 +39,7 @@ SYSTEM_PROMPT = (
 
 @dataclass
 class Generation:
-    """What a generation backend (memopd.agent.backends) returns for one prompt: the exact sampled ids."""
+    """What a generation backend (memopd.generation.backends) returns for one prompt: the exact sampled ids."""
     output_ids: list[int]
     logprobs: list[float] | None  # the policy's log-probs of output_ids (None where a backend has none)
     stop_reason: str  # "stop" (stop string), "eos", "length"

@@ -40,7 +40,7 @@ class _State:
     max_turns: int
     next_input: list[int]  # what the model is shown at the next call (AgentConfig.view)
     next_retained: list[Retained] = field(default_factory=list)
-    states: list[list[int]] = field(default_factory=list)  # the memory rule's exact state of every call so far
+    states: list[list[int]] = field(default_factory=list)  # persistent view: the memory rule's exact state of every call so far
     invocations: list[Invocation] = field(default_factory=list)
     history: list[Turn] = field(default_factory=list)
     actions: list[Action] = field(default_factory=list)
@@ -97,9 +97,9 @@ def _finish(s: _State, cfg: AgentConfig) -> Episode:
 def _shown(s: _State, state: list[int], retained: list[Retained], view: str) -> tuple[list[int], list[Retained]]:
     """The next call's input as the model is shown it, and its provenance: the memory rule's `state` itself, or
     (view "persistent") the transcript of every exact state and response so far, `state` at its end."""
-    s.states.append(state)
     if view == "exact":
         return state, retained
+    s.states.append(state)
     ids, spans = flatten_history(len(s.prefix), s.states, [inv.output_ids for inv in s.invocations])
     shift = len(ids) - len(state)  # the exact state's tokens after the prefix sit at the end of the transcript
     return ids, spans + [Retained(r.src_call, r.src_start, r.dst_start + shift, r.length) for r in retained]

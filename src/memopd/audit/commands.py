@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from memopd.agent.commands import agent_args
+from memopd.evaluation.commands import agent_args
 from memopd.inputs import UsageError, existing, require, section
 from memopd.outputs import print_table, write_csv
 

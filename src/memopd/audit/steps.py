@@ -38,7 +38,7 @@ def rollout_step(cfg: dict, model_dir: str, benchmark: str, index: str, out: str
     `cfg` holds the `agent`, `rollout` and `audit` sections. rule=None: audit.rule, else agent.rule."""
     from dataclasses import replace
 
-    from memopd.agent.evaluate import make_backend
+    from memopd.generation.backends import make_backend
     from memopd.agent.protocol import load_tasks
     from memopd.agent.rollout import rollout
     from memopd.config import agent_config, rollout_config

@@ -240,25 +240,26 @@ QA_PARSERS: dict[str, Callable[[dict, str], QA]] = {
 
 # ------------------------------------------------------------------------------------------- file level
 
-def load_qa(path: str | Path, fmt: str, key: str = "path") -> list[QA]:
-    """Every question of one file in format `fmt`."""
-    if fmt not in QA_PARSERS:
-        raise DataConfigError(f"{key}: unknown question format {fmt!r} (known: {', '.join(QA_PARSERS)})")
+def _checked(path: str | Path, fmt: str, known, what: str, key: str) -> Path:
+    """`path` as a Path, once `fmt` is one of `known` and the file exists; else an error naming `key`."""
+    if fmt not in known:
+        raise DataConfigError(f"{key}: unknown {what} format {fmt!r} (known: {', '.join(known)})")
     path = Path(path)
     if not path.is_file():
         raise MissingDataError(path, key)
+    return path
+
+
+def load_qa(path: str | Path, fmt: str, key: str = "path") -> list[QA]:
+    """Every question of one file in format `fmt`."""
+    path = _checked(path, fmt, QA_PARSERS, "question", key)
     parse = QA_PARSERS[fmt]
     return [parse(rec, where) for where, rec in iter_json_records(path)]
 
 
 def iter_passages(path: str | Path, fmt: str, key: str = "path") -> Iterator[Passage]:
     """The passages of one file: wiki-18 passages, HotpotQA context paragraphs, NQ oracle passages."""
-    if fmt not in PASSAGE_FORMATS:
-        raise DataConfigError(f"{key}: unknown passage format {fmt!r} (known: {', '.join(PASSAGE_FORMATS)})")
-    path = Path(path)
-    if not path.is_file():
-        raise MissingDataError(path, key)
-    for where, rec in iter_json_records(path):
+    for where, rec in iter_json_records(_checked(path, fmt, PASSAGE_FORMATS, "passage", key)):
         if fmt == "wiki18":
             yield parse_wiki18(rec, where)
             continue

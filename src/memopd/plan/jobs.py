@@ -126,7 +126,7 @@ def _vllm(job: Job, cfg: dict, phase: str, spec: Spec, util: float, max_len: int
 def _rollouts(job: Job, cfg: dict, phase: str, spec: Spec, benchmark: str, max_new: int, episodes: int,
               weights: bool = True, util: float | None = None) -> None:
     """The agent's generation: a vLLM engine (rollout.backend vllm; its GPU share `util`, else rollout.vllm's, else
-    evaluate.make_backend's default 0.85) or the model itself (hf: its weights unless the caller holds them,
+    generation.backends.make_backend's default 0.85) or the model itself (hf: its weights unless the caller holds them,
     `weights=False`, and the KV cache of the episodes generated together)."""
     ro = rollout_config(cfg)
     if ro.vllm_engine:

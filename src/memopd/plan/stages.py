@@ -213,7 +213,7 @@ def plan_scoring(cfg: dict) -> list[Job]:
     _rollouts(job, cfg, "scoring", am, rr["benchmark"], max_new, rr["tasks"], util=rr.get("gpu_memory_utilization"))
     b, n = BYTES[rr["dtype"]], rr["tasks"] * actions
     terms = _rce_terms(am, b, n, actions, f"{rr['tasks']} tasks x {actions} action tokens")
-    # agent.evaluate.behaviour_mismatch: rce.independent_token_logprobs, the LM head COMPARE_CHUNK tokens at a time
+    # evaluation.evaluate.behaviour_mismatch: rce.independent_token_logprobs, the LM head COMPARE_CHUNK tokens at a time
     c = min(COMPARE_CHUNK, n)
     terms.append(("behaviour chunk", c * am.vocab * (b + 8), f"evaluate.behaviour_mismatch: C {c} x V x ({b} + 4 + 4) B"))
     _scoring(job, cfg, am, rr["dtype"], tokens, terms)

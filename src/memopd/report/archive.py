@@ -21,7 +21,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from memopd.methods import MATCHED_METHODS as MATCHED
+from memopd.config import matched_control_config
+from memopd.methods import MATCHED_METHODS
 from memopd.outputs import write_json
 
 FORMAT = 1
@@ -33,16 +34,16 @@ def contents(train: dict) -> tuple[list[tuple[str, str]], list[tuple[str, int]]]
     """What the archive keeps of the `train` config section's runs: ([(model, benchmark)], [(method, seed)]): every
     run on every horizon, the SFT student and teacher on every horizon, the matched control's runs on its
     benchmark (what the result tables read); the training metrics of every run of train.methods x train.seeds (the
-    curves) and of the matched control's runs."""
+    curves) and of the matched control's runs (a control seed outside train.seeds has no curve in the tables, yet
+    its steps are the evidence of how it trained, e.g. a collapse). Rule `archive` takes its inputs from here."""
     horizons = list(train["horizons"])
-    mc = train.get("matched_control") or {}
-    mc_seeds, mc_bench = mc.get("seeds", train["seeds"]), mc.get("benchmark", "q2_test")
-    runs = [(m, s) for m in train["methods"] for s in train["seeds"]]
-    runs += [(m, s) for m in MATCHED for s in mc_seeds if (m, s) not in runs]
-    evals = [(f"{m}_seed{s}", b) for m, s in runs[:len(train["methods"]) * len(train["seeds"])] for b in horizons]
+    seeds, bench = matched_control_config(train)
+    trained = [(m, s) for m in train["methods"] for s in train["seeds"]]
+    control = [(m, s) for m in MATCHED_METHODS for s in seeds]
+    evals = [(f"{m}_seed{s}", b) for m, s in trained for b in horizons]
     evals += [(model, b) for model in dict.fromkeys([train["student"], train["teacher"]]) for b in horizons]
-    evals += [(f"{m}_seed{s}", mc_bench) for m in MATCHED for s in mc_seeds]
-    return list(dict.fromkeys(evals)), runs
+    evals += [(f"{m}_seed{s}", bench) for m, s in control]
+    return list(dict.fromkeys(evals)), list(dict.fromkeys(trained + control))
 
 
 def git_commit(path: Path) -> str:
@@ -90,21 +91,27 @@ def write_archive(train: dict, reward: str, eval_dir: str | Path, train_dir: str
     missing = [str(p) for p in sources if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"cannot archive: {len(missing)} missing, e.g. {missing[0]}")
+    for d in (eval_dir, train_dir):  # its eval/ and train/ are replaced: they must not be the run's own
+        if d.resolve() in [(out / sub).resolve() for sub in ("eval", "train")] or out.resolve() in d.resolve().parents:
+            raise ValueError(f"the archive {out} would replace {d}, which it archives: write it elsewhere")
     (out / MANIFEST).unlink(missing_ok=True)
     for old in ("eval", "train"):  # an earlier archive's runs are not this one's
         shutil.rmtree(out / old, ignore_errors=True)
+    files = []
     for model, bench in evals:
         d = out / "eval" / model
         d.mkdir(parents=True, exist_ok=True)
         ev = json.loads((eval_dir / model / f"{bench}.json").read_text())
         (d / f"{bench}.json").write_text(json.dumps(_scalars(ev), indent=2, sort_keys=True) + "\n")
         _copy_tasks(eval_dir / model / f"{bench}.csv", d / f"{bench}.csv")
+        files += [d / f"{bench}.json", d / f"{bench}.csv"]
     for method, seed in runs:
         d = out / "train" / method / f"seed{seed}"
         d.mkdir(parents=True, exist_ok=True)
         with gzip.GzipFile(d / "metrics.jsonl.gz", "wb", mtime=0) as f:  # no timestamp: the same runs, the same bytes
             f.write((train_dir / method / f"seed{seed}" / "metrics.jsonl").read_bytes())
-    files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
+        files.append(d / "metrics.jsonl.gz")
+    files.sort()
     manifest = {"format": FORMAT, "commit": commit, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"), "train": train, "reward": reward, "label": label,
                 "files": {str(p.relative_to(out)): _sha256(p) for p in files}}

@@ -19,7 +19,8 @@ import math
 import statistics
 from pathlib import Path
 
-from memopd.methods import MATCHED_METHODS as METHODS_OF_THE_CONTROL
+from memopd.config import matched_control_config
+from memopd.methods import MATCHED_METHODS
 from memopd.outputs import pyplot, save_figure
 from memopd.stats import (NAN, VERDICT_RULE, SeedTest, compare_seeds, holm, noise_verdict, one_sample_test, paired_bca,
                           relative_change_pct, t_interval, two_level_bootstrap)
@@ -32,13 +33,11 @@ METRICS = {
     "matched_control": ["em", "f1"],
 }
 # The matched control: these three methods, everything else identical (the runs differ only by method).
-MATCHED_METHODS = list(METHODS_OF_THE_CONTROL)
 # Its two increments (method, baseline, what it measures) and the paper's change of the mean in %.
 INCREMENTS = [
     ("memopd_persistent", "ppo", "persistent teacher", {"f1": 5.6, "em": 4.4}),
     ("memopd", "memopd_persistent", "alignment on top", {"f1": 7.0, "em": 10.0}),
 ]
-MATCHED_DEFAULT_BENCHMARK = "q2_test"
 # Tables 1-2 of the paper: MemOPD's change of the mean over PPO in % (five seeds), by (horizon label, metric).
 PAPER_MEMOPD_VS_PPO = {
     ("Q2", "f1"): 14.3, ("Q8", "f1"): 283.2, ("Q16", "f1"): 416.2,
@@ -50,7 +49,7 @@ PRIMARY_METRIC = "f1"  # a table's primary comparisons: this metric on the train
 FAMILY_RULE = (f"{PRIMARY_METRIC.upper()} on the trained horizon is primary, every other comparison's p is "
                f"Holm-adjusted over the table's secondary comparisons")
 # The comparison columns every table of seed-level tests shares (fill_test, mark_family)
-TEST_COLUMNS = ["p", "p_min", "p_holm", "comparisons", "family", "role", "test"]
+TEST_COLUMNS = ["p", "p_min", "p_holm", "table_tests", "family_size", "role", "test"]
 COLUMNS = ["method", "horizon", "metric", "mean", "std", "ci_low", "ci_high", "rel_to_ppo_pct", "seeds",
            "diff_vs_ppo", "diff_ci_low", "diff_ci_high", *TEST_COLUMNS, "paper_rel_to_ppo_pct", "noise"]
 
@@ -113,14 +112,15 @@ def trained_horizon(train_benchmark: str, horizons: dict[str, str]) -> str | Non
 
 
 def fill_test(row: dict, t: SeedTest, primary: bool) -> dict:
-    """`row` with the test's p, smallest p, test name and role; p_holm / comparisons / noise come from mark_family."""
+    """`row` with the test's p, smallest p, test name and role; p_holm / table_tests / noise come from mark_family."""
     return {**row, "p": t.p, "p_min": t.p_min, "test": t.test, "role": "primary" if primary else "secondary"}
 
 
 def mark_family(rows: list[dict], ci: tuple[str, str]) -> list[dict]:
-    """Over the compared rows of one table (a `p`, NaN when there is no test): `comparisons` = how many tests the
-    table made, `family` = how many of its role's (primary or secondary), `p_holm` = p for the primary ones and
-    Holm-adjusted over the secondary ones, `noise` = noise_verdict(interval `ci` columns, p_holm)."""
+    """Over the compared rows of one table (a `p`, NaN when there is no test): `table_tests` = how many tests the
+    table made, `family_size` = how many of its role's (primary: the trained horizon's F1, each a claim of its own,
+    not adjusted; secondary: the rest), `p_holm` = p for a primary row and Holm-adjusted over the secondary ones,
+    `noise` = noise_verdict(interval `ci` columns, p_holm)."""
     compared = [r for r in rows if isinstance(r.get("p"), float)]
     tested = [r for r in compared if not math.isnan(r["p"])]
     secondary = [r for r in compared if r["role"] == "secondary"]
@@ -129,8 +129,8 @@ def mark_family(rows: list[dict], ci: tuple[str, str]) -> list[dict]:
     for r in compared:
         if r["role"] == "primary":
             r["p_holm"] = r["p"]
-        r["comparisons"] = len(tested)
-        r["family"] = sum(x["role"] == r["role"] for x in tested)
+        r["table_tests"] = len(tested)
+        r["family_size"] = sum(x["role"] == r["role"] for x in tested)
         r["noise"] = noise_verdict(r[ci[0]], r[ci[1]], r["p_holm"])
     return rows
 
@@ -174,10 +174,10 @@ def test_words(r: dict) -> str:
     if math.isnan(r["p"]):
         return f"no test ({r['test']}); {_seeds(r['seeds'])}"
     kind = "Welch" if r["test"].startswith("Welch") else "paired t"
-    holm_p = (f"Holm-adjusted p {r['p_holm']:.4f} (secondary, over {r['family']})" if r["role"] == "secondary"
-              else f"primary ({r['family']} in the table), not adjusted")
+    holm_p = (f"Holm-adjusted p {r['p_holm']:.4f} (secondary, over {r['family_size']})" if r["role"] == "secondary"
+              else f"primary ({r['family_size']} in the table), not adjusted")
     return (f"{kind} 95% CI {r['diff_ci_low']:+.4f} to {r['diff_ci_high']:+.4f}; exact p {r['p']:.4f} "
-            f"(smallest possible {r['p_min']:.4f}); {holm_p}; {_plural(r['comparisons'], 'comparison')} in the table; "
+            f"(smallest possible {r['p_min']:.4f}); {holm_p}; {_plural(r['table_tests'], 'comparison')} in the table; "
             f"{_seeds(r['seeds'])}")
 
 
@@ -311,9 +311,9 @@ def vs_student_notes(rows: list[dict]) -> list[str]:
     for r in rows:
         test = (f"; over seeds: t 95% CI {r['seed_ci_low']:+.3f} to {r['seed_ci_high']:+.3f}, exact p {r['p']:.4f} "
                 f"(smallest possible {r['p_min']:.4f}"
-                + (f", Holm-adjusted {r['p_holm']:.4f} over {r['family']} secondary" if r["role"] == "secondary"
+                + (f", Holm-adjusted {r['p_holm']:.4f} over {r['family_size']} secondary" if r["role"] == "secondary"
                    else ", primary")
-                + f", {_plural(r['comparisons'], 'comparison')})" if r["p"] != "" else "")
+                + f", {_plural(r['table_tests'], 'comparison')})" if r["p"] != "" else "")
         kind = "seeds and tasks" if r["seeds"] > 1 else "tasks, BCa"
         out.append(f"{r['method']} on {r['horizon']}, {r['metric']}: {r['mean']:.3f} vs the student's "
                    f"{r['student']:.3f}, difference {r['diff']:+.3f} (95% CI over {kind} {r['ci_low']:+.3f} to "
@@ -392,12 +392,6 @@ def matched_control_caption(cfg: dict, seeds: list[int], benchmark: str, scores:
             f"p over seeds ({VERDICT_RULE}; F1 primary, EM Holm-adjusted), and the paper's change (persistent "
             f"teacher +5.6% F1 / +4.4% EM over PPO; alignment a further +7.0% F1 / +10.0% EM); EM/F1 = per-task "
             f"mean over questions")
-
-
-def matched_control_config(cfg: dict) -> tuple[list[int], str]:
-    """(seeds, benchmark) of the train section's matched_control (defaults: train.seeds, q2_test)."""
-    mc = cfg.get("matched_control") or {}
-    return list(mc.get("seeds", cfg["seeds"])), mc.get("benchmark", MATCHED_DEFAULT_BENCHMARK)
 
 
 def matched_control_table(cfg: dict, eval_dir: str | Path, out_csv: str | Path) -> list[dict]:

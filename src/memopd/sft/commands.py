@@ -48,7 +48,7 @@ def example_layouts(cfg: dict) -> tuple[str, ...]:
 
 
 def cmd_sft_trajectories(args, cfg):
-    from memopd.agent.trajectories import trajectories_step
+    from memopd.teachers.trajectories import trajectories_step
 
     section(cfg, "teacher", "kind")
     section(cfg, "agent")
@@ -88,7 +88,7 @@ def cmd_sft_examples(args, cfg):
 
 
 def cmd_sft_merge_trajectories(args, cfg):
-    from memopd.agent.trajectories import merge_step
+    from memopd.teachers.trajectories import merge_step
 
     existing(*args.shards, *args.shard_stats)
     try:

@@ -12,11 +12,12 @@ import random
 from bisect import bisect_left, insort
 from dataclasses import dataclass
 
+from memopd.config import VIEWS
 from memopd.packing import PackingLimitError
 from memopd.records import Episode, Invocation, flatten_history
 
 
-LAYOUTS = ("exact", "persistent")  # the states an example can put a call's response in (sft.<role>.layouts)
+LAYOUTS = VIEWS  # the states an example can put a call's response in (sft.<role>.layouts): those a model acts in
 
 
 def persistent_state(ep: Episode, t: int) -> list[int]:
@@ -50,9 +51,7 @@ def turn_examples(episodes: list[Episode], min_reward: float,
             continue
         kept += 1
         ep.validate()
-        for layout in LAYOUTS:
-            if layout not in layouts:
-                continue
+        for layout in [x for x in LAYOUTS if x in layouts]:  # in LAYOUTS' order, whatever the config's
             for t, inv in enumerate(ep.invocations):
                 candidates += 1
                 ids = list(inv.input_ids) if layout == "exact" else persistent_state(ep, t)
@@ -182,7 +181,8 @@ class StepPlan:
 
 
 def of_layouts(examples: list[Episode], layouts) -> list[Episode]:
-    """The examples in one of `layouts` (an example written before layouts existed is "exact")."""
+    """The examples whose state is in one of `layouts`; an example without one (the pre-training stage's LM text
+    and copies, which have no agent state) counts as "exact"."""
     return [x for x in examples if x.metrics.get("layout", "exact") in layouts]
 
 

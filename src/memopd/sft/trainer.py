@@ -63,6 +63,7 @@ NOT_TRAINER_KEYS = ("min_reward", "pretrain")  # keys of the `sft` config sectio
 # keys of a role's section read by the pipeline, not the trainer: `init` names the model the role starts from
 ROLE_PIPELINE_KEYS = ("init",)
 STAGES = ("sft", "pretrain")
+SFT_FIELD_OF_KEY = {"backend": "attention"}  # sft keys spelt otherwise in TrainConfig
 
 
 def stage_section(section: dict, stage: str) -> dict:
@@ -99,7 +100,7 @@ class TrainConfig:
     checkpoint_every: int  # optimizer steps between checkpoints
     precision: str  # fp32 | bf16 (autocast; weights and optimizer stay fp32)
     mode: str  # packed | padded (padded: each example its own row; the benchmark baseline)
-    backend: str  # packed path: segmented (attention per example) or a memopd.attention backend
+    attention: str  # packed path (config key sft.backend): segmented (attention per example) or a memopd.attention path
     log_every: int  # optimizer steps between logged training metrics
     steps: int | None = None  # the budget: exactly one of steps / epochs
     epochs: float | None = None
@@ -119,6 +120,7 @@ class TrainConfig:
             if role not in section:
                 raise ValueError(f"sft config has no section for role {role!r}")
             merged.update({k: v for k, v in section[role].items() if k not in ROLE_PIPELINE_KEYS})
+        merged = {SFT_FIELD_OF_KEY.get(k, k): v for k, v in merged.items()}
         names = {f.name for f in fields(cls)}
         if unknown := set(merged) - names:
             raise ValueError(f"unknown SFT config keys {sorted(unknown)}")
@@ -200,7 +202,7 @@ def evaluate(model, examples: list[Episode], cfg: TrainConfig) -> dict:
         for b in bins[rank::world]:
             with _autocast(device, cfg.precision):
                 s, n = parallel.call(model, lambda m, b=b: target_loss(m, [examples[i] for i in b], cfg.mode,
-                                                                       cfg.seq_len, cfg.backend))
+                                                                       cfg.seq_len, cfg.attention))
             total += torch.tensor([s.item(), n], dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(total)
@@ -286,10 +288,10 @@ def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConf
 
     if sharded:  # through the root's forward (its parameters gathered), FSDP sums gradients over ranks
         def step_loss(batch):
-            return parallel.call(net, lambda m: target_loss(m, batch, cfg.mode, cfg.seq_len, cfg.backend)[0])
+            return parallel.call(net, lambda m: target_loss(m, batch, cfg.mode, cfg.seq_len, cfg.attention)[0])
         ddp, scale = None, 1
     else:
-        ddp = TargetLoss(model, cfg.mode, cfg.seq_len, cfg.backend)
+        ddp = TargetLoss(model, cfg.mode, cfg.seq_len, cfg.attention)
         if world > 1:
             ddp = torch.nn.parallel.DistributedDataParallel(ddp, device_ids=None)
         step_loss, scale = ddp, world  # DDP averages gradients over ranks: x world turns that into the sum

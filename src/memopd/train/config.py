@@ -17,7 +17,7 @@ WORKFLOW_KEYS = ("student", "teacher", "methods", "seeds", "benchmark", "horizon
 # PPOConfig fields that are not keys of train.ppo: the run's method and seed, train.dtype, the tokenizer's size
 PPO_RUN_FIELDS = ("method", "seed", "dtype", "vocab")
 # train.ppo keys spelled otherwise in PPOConfig: each lambda named for what it weighs
-PPO_FIELD_OF_KEY = {"lam": "gae_lambda", "opd_coef": "opd_lambda"}
+PPO_FIELD_OF_KEY = {"lam": "gae_lambda", "opd_coef": "opd_lambda", "backend": "attention"}
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class RunConfig:
     def __post_init__(self):
         if self.shard not in SHARDING:
             raise ValueError(f"train.shard {self.shard!r}: choose from {SHARDING}")
-        check_backend(self.ppo.backend, self.activation_checkpointing)
+        check_backend(self.ppo.attention, self.activation_checkpointing)
 
     @property
     def dtype(self) -> str:

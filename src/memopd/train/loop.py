@@ -7,7 +7,7 @@ alone (task order, rollout sampling seeds, minibatch order), so `ppo`, `memopd` 
 
 Rollouts come from the `rollout.backend` of the config: `hf` (the policy itself, through its KV
 cache) or `vllm` (a colocated engine whose weights are synced from the policy before every rollout,
-`memopd.train.weight_sync`; the sync time is logged as time/sync_s). Under torchrun every rank rolls
+`memopd.generation.weight_sync`; the sync time is logged as time/sync_s). Under torchrun every rank rolls
 out and scores its share of each batch (positions rank, rank + W, ...; sampling seeds by batch
 position, so the episodes are those of a single process) and the gradients are summed over ranks
 (`ppo_update`); rank 0 writes the metrics and the final model, every rank its part of each checkpoint.
@@ -288,11 +288,10 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     """Train one (method, seed). `cfg` holds the `train`, `agent` and `rollout` sections.
     `stop_after` ends the process after that many steps of this invocation (tests of resume).
     Under torchrun (WORLD_SIZE > 1) every rank calls this; only rank 0 writes files and calls `tracker`."""
-    from memopd.agent.backends import HFBackend, VLLMBackend
-    from memopd.agent.evaluate import make_sampling
-    from memopd.config import agent_config, rollout_config
     from memopd.agent.protocol import load_tasks
     from memopd.agent.rollout import rollout
+    from memopd.config import agent_config, rollout_config
+    from memopd.generation.backends import HFBackend, VLLMBackend, make_sampling
     from memopd.models import DTYPES, load_tokenizer
     from memopd.retrieval import load_retriever
 
@@ -315,7 +314,7 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     sampling = make_sampling(ro)
     sync = None
     if ro.vllm_engine:  # the engine first: it sizes its memory from what is free
-        from memopd.train.weight_sync import WeightSync, colocated_llm, sleep_mode
+        from memopd.generation.weight_sync import WeightSync, colocated_llm, sleep_mode
 
         llm = colocated_llm(student_dir, ro, run.vllm, seed, world)
         sync = WeightSync(llm, sleep=sleep_mode(run.vllm))

@@ -100,7 +100,7 @@ class PPOConfig:
     minibatch_episodes: int = 4
     max_grad_norm: float = 1.0
     teacher_select: object = "all"  # which calls the teacher scores (packing.select_teacher_calls)
-    backend: str = "auto"  # memopd.attention: auto picks each pack's fastest exact path
+    attention: str = "auto"  # the attention path (config key train.ppo.backend): auto picks each pack's fastest exact one
     chunk_size: int = 512
     rce_sample: int = 2  # episodes checked by the RCE guard before each update (0: off)
     dtype: str = "float32"
@@ -170,9 +170,9 @@ def score_episode(episode: Episode, pos: int, policy, ref, critic, teacher, cfg:
     dev = next(policy.parameters()).device
     packed = pack(episode, teacher=cfg.teacher_select, seed=cfg.seed + pos)
     with autocast(dev, cfg.dtype):  # the update's precision path
-        old_logp = call(policy, lambda m: actor_forward(m, packed, cfg.backend, cfg.chunk_size)[0])
-        ref_logp = call(ref, lambda m: actor_forward(m, packed, cfg.backend, cfg.chunk_size)[0])
-        values = call(critic, lambda m: m.values(packed, cfg.backend))
+        old_logp = call(policy, lambda m: actor_forward(m, packed, cfg.attention, cfg.chunk_size)[0])
+        ref_logp = call(ref, lambda m: actor_forward(m, packed, cfg.attention, cfg.chunk_size)[0])
+        values = call(critic, lambda m: m.values(packed, cfg.attention))
     teach_rows = packed.teacher_mask[packed.action_index]
     teacher_hidden = None
     if method_spec(cfg.method).needs_teacher and teach_rows.any():
@@ -187,7 +187,7 @@ def teacher_states(teacher, episode: Episode, packed: Packed, teach_rows: torch.
     exact = method_spec(cfg.method).teacher_state == "exact"
     teacher_pack = packed if exact else pack(episode, layout="persistent", teacher=cfg.teacher_select, seed=cfg.seed + pos)
     # prefix sharing and calls need blocked calls; auto picks among the paths the layout allows
-    backend = cfg.backend if teacher_pack.block_calls or cfg.backend not in ("prefix_shared", "calls") else "sdpa"
+    backend = cfg.attention if teacher_pack.block_calls or cfg.attention not in ("prefix_shared", "calls") else "sdpa"
     return packed_hidden(teacher, teacher_pack, backend, index=teacher_pack.pred_index[teach_rows])
 
 
@@ -225,7 +225,7 @@ def _rce_check(policy, episodes: list[Episode], cfg: PPOConfig) -> float:
     err, value = None, 0.0
     try:
         with autocast(next(policy.parameters()).device, cfg.dtype):  # the precision the update computes in
-            value = call(policy, lambda m: guard(m, sample, cfg.backend, dtype=cfg.dtype))["max_abs_dlogp"]
+            value = call(policy, lambda m: guard(m, sample, cfg.attention, dtype=cfg.dtype))["max_abs_dlogp"]
     except RCEError as e:
         err = e
     reports = gather((value, None if err is None else str(err)))
@@ -256,9 +256,9 @@ def episode_backward(scored: ScoredEpisode, target: Targets, mb: Minibatch, real
     teach = bool(cfg.opd_lambda) and scored.teacher_hidden is not None and mb.teacher_tokens > 0
     with autocast(dev, cfg.dtype):
         logp, entropy, opd = call(models.policy, lambda m: actor_forward(
-            m, packed, cfg.backend, cfg.chunk_size, scored.teach_rows, scored.teacher_hidden if teach else None,
+            m, packed, cfg.attention, cfg.chunk_size, scored.teach_rows, scored.teacher_hidden if teach else None,
             _head(models.teacher) if teach else None, mb.teacher_tokens, cfg.vocab))
-        values = call(models.critic, lambda m: m.values(packed, cfg.backend))
+        values = call(models.critic, lambda m: m.values(packed, cfg.attention))
     opd, opd_metrics = opd if opd is not None else (None, {})
     # each term is this episode's token sum over the minibatch's token count (a padding pass contributes a
     # zero loss): the shares of all episodes and ranks sum to the minibatch token mean, and the gradient
@@ -323,7 +323,7 @@ def ppo_update(episodes: list[Episode], policy, ref, critic, teacher, actor_opt,
 
     Every loss term is a token mean over the minibatch (`losses.aggregate`): PPO, entropy and value
     over its sampled action tokens, OPD over its teacher-mask tokens (1 / sum m_T)."""
-    check_backend(cfg.backend, is_checkpointed(policy) or is_checkpointed(critic))
+    check_backend(cfg.attention, is_checkpointed(policy) or is_checkpointed(critic))
     layout = BatchLayout.gathered(list(range(len(episodes))) if ids is None else list(ids))
     metrics: dict[str, float] = {}
     with gathered(policy, ref, critic):  # sharded: ranks may score different numbers of episodes

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from memopd.agent.backends import HFBackend, Sampling
+from memopd.generation.backends import HFBackend, Sampling
 from memopd.stats import ratio_interval
 
 

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from memopd.records import Episode, load_episodes, save_episodes
 
 PACKAGE = Path(__file__).resolve().parents[1]
-PLAYER = "memopd.agent.trajectories:trajectories_step"  # what plays the tasks: its code is part of the fingerprint
+PLAYER = "memopd.teachers.trajectories:trajectories_step"  # what plays the tasks: its code is part of the fingerprint
 
 
 def shard_bounds(n: int, shards: int, shard: int) -> tuple[int, int]:

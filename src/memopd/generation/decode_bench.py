@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from memopd.agent.backends import HFBackend, Sampling, growing_cache, left_padded
+from memopd.generation.backends import HFBackend, Sampling, growing_cache, left_padded
 from memopd.stats import ratio_interval
 
 

@@ -1,7 +1,7 @@
 """Teachers that generate SFT trajectories through the student's own rollout loop.
 
 A teacher is a generation backend (`generate(prompts, seeds) -> list[Generation]`, the interface of
-agent/backends.py), so its episodes come out of `rollout()` with the same environment, memory rules and
+generation/backends.py), so its episodes come out of `rollout()` with the same environment, memory rules and
 recorder as the student's: ordinary `Episode` records in the student's token ids.
 
 ScriptedTeacher (embedded default) knows each task's gold aliases but nothing else: it sees only the

@@ -1,5 +1,4 @@
-"""`memopd eval`, `memopd rce-rollouts`, `memopd bench decode` and `memopd bench eval`: the agent rolled out on
-benchmarks."""
+"""`memopd eval`, `memopd rce-rollouts` and `memopd bench eval`: the agent rolled out on benchmarks."""
 from __future__ import annotations
 
 import sys
@@ -10,8 +9,8 @@ from memopd.outputs import write_csv, write_json
 
 
 def cmd_eval(args, cfg):
-    from memopd.agent.evaluate import evaluate_benchmarks
     from memopd.config import agent_config
+    from memopd.evaluation.evaluate import evaluate_benchmarks
 
     agent = agent_config(cfg)
     stems = [Path(b).stem for b in args.benchmark]
@@ -23,8 +22,8 @@ def cmd_eval(args, cfg):
 
 
 def cmd_rce_rollouts(args, cfg):
-    from memopd.agent.evaluate import rce_rollouts_step
     from memopd.config import agent_config
+    from memopd.evaluation.evaluate import rce_rollouts_step
 
     rc = section(cfg, "rce_rollouts", "max_new_tokens", "tasks", "dtype", "backends")
     agent = agent_config(cfg)
@@ -43,32 +42,11 @@ def cmd_rce_rollouts(args, cfg):
         sys.exit(f"rollout RCE failed ({tols}); report in {args.out}")
 
 
-def cmd_bench_decode(args, cfg):
-    import torch
-    from transformers import AutoTokenizer
-
-    from memopd.agent.decode_bench import run
-    from memopd.models import load_model
-
-    existing(args.model)
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads or old_threads)
-    try:
-        model = load_model(args.model, dtype="float32")
-        rows = run(model, AutoTokenizer.from_pretrained(args.model), batch=args.batch, tokens=args.tokens,
-                   new_tokens=args.new_tokens, repeats=args.repeats, seed=args.seed)
-    finally:  # a caller in the same process (the tests) keeps its threads
-        torch.set_num_threads(old_threads)
-    if args.out:
-        write_csv(args.out, rows)
-        print(f"wrote {args.out}")
-
-
 def cmd_bench_eval(args, cfg):
     import torch
 
-    from memopd.agent import eval_bench
-    from memopd.agent.backends import PREFILLS, Sampling
+    from memopd.evaluation import bench as eval_bench
+    from memopd.generation.backends import PREFILLS, Sampling
 
     existing(args.model)
     bad = sorted(set(args.paths) - set(PREFILLS))
@@ -91,9 +69,9 @@ def _bench_eval_work(args):
     """(model, tokenizer, work, label): real episodes when the benchmark and the index exist, else synthetic prompts."""
     from transformers import AutoTokenizer
 
-    from memopd.agent import eval_bench
     from memopd.agent.protocol import load_tasks
     from memopd.config import AgentConfig
+    from memopd.evaluation import bench as eval_bench
     from memopd.models import load_model
     from memopd.retrieval import load_retriever
 
@@ -130,16 +108,6 @@ def register(cli) -> None:
     sp = agent_args(cli.add("rce-rollouts", cmd_rce_rollouts, "RCE of real rollouts under every memory-rewrite rule"))
     sp.add_argument("--strict", action="store_true", help="exit non-zero when any rule or backend fails")
 
-    sp = cli.add("bench decode", cmd_bench_decode, "HF generation: the backend's KV cache vs transformers' "
-                 "DynamicCache (same outputs, time per call)")
-    sp.add_argument("--model", default="results/models/base", help="a model directory (default: the base model)")
-    sp.add_argument("--batch", type=int, default=32, help="rows generated together (rollout.batch_size)")
-    sp.add_argument("--tokens", type=int, default=450, help="longest prompt; lengths spread over half to all of it")
-    sp.add_argument("--new-tokens", type=int, default=48)
-    sp.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats after one warm-up round")
-    sp.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    sp.add_argument("--out", help="CSV file")
-
     sp = cli.add("bench eval", cmd_bench_eval, "HF generation: the prefill paths side by side on real evaluation "
                  "episodes (same greedy outputs, time per run)")
     sp.add_argument("--model", default="results/models/base", help="a model directory (default: the base model)")
@@ -156,7 +124,7 @@ def register(cli) -> None:
     sp.add_argument("--tokens", type=int, default=300, help="synthetic prompts: longest own part (half to all)")
     sp.add_argument("--shared-tokens", type=int, default=120, help="synthetic prompts: their common prefix")
     sp.add_argument("--paths", nargs="+", default=["padded", "shared"],
-                    help="prefill paths (memopd.agent.backends.PREFILLS); the first is the baseline")
+                    help="prefill paths (memopd.generation.backends.PREFILLS); the first is the baseline")
     sp.add_argument("--repeats", type=int, default=3, help="timed repeats, after one small untimed call per path")
     sp.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     sp.add_argument("--out", help="CSV file")

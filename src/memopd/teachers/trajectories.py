@@ -6,7 +6,7 @@ written as ordinary records (records.save_episodes) in the student's token ids, 
 or EM (`teacher.reward`) and the per-episode metrics of the rollout. A stats JSON sums them up,
 including a preview of what a score filter would keep (the filter itself is the SFT data step's).
 At scale the tasks are played in `teacher.shards` jobs (`trajectories_step(shard=i)`, resumable chunks)
-and `merge_step` joins them into the one file and stats of a single run (agent/shards.py says what is equal).
+and `merge_step` joins them into the one file and stats of a single run (teachers/shards.py says what is equal).
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from pathlib import Path
 
 from memopd.agent.protocol import INFO, INFO_END, THINK, THINK_END
 from memopd.agent.rollout import rollout
-from memopd.agent.shards import (Chunks, chunk_bounds, code_digest, concat_episode_files, episode_rows, fingerprint,
+from memopd.teachers.shards import (Chunks, chunk_bounds, code_digest, concat_episode_files, episode_rows, fingerprint,
                                  identity, shard_bounds)
-from memopd.agent.teacher import ScriptedConfig, ScriptedTeacher, memory_claims
+from memopd.teachers.scripted import ScriptedConfig, ScriptedTeacher, memory_claims
 from memopd.config import AgentConfig
 from memopd.records import Episode, save_episodes
 
@@ -103,7 +103,7 @@ def trajectories_step(cfg: dict, benchmarks: list[str], index: str, tokenizer_di
     overrides `seed`; `limit` overrides `teacher.max_tasks` (tasks per benchmark). `shard` (0 ..
     teacher.shards - 1) plays only that slice of the tasks, every episode sampled as in the whole run;
     None plays them all. Tasks go `teacher.chunk_tasks` at a time, each chunk kept in `<out>.parts/` until
-    `out` is written, so a rerun of an interrupted step plays only the chunks it lacks (agent/shards.py)."""
+    `out` is written, so a rerun of an interrupted step plays only the chunks it lacks (teachers/shards.py)."""
     from memopd.models import load_tokenizer
     from memopd.retrieval import load_retriever
 
@@ -225,7 +225,7 @@ def _teacher(kind: str, tc: dict, rollout_cfg: dict, tok, tasks, seed: int, serv
             sc["max_new_tokens"] = rollout_cfg["max_new_tokens"]
         yield ScriptedTeacher(tok, tasks, ScriptedConfig(**sc)), {}  # all tasks: a shard finds its own as in one run
     else:
-        from memopd.agent.llm_teacher import LLMConfig, LLMTeacher, VLLMServer, server_kwargs
+        from memopd.teachers.llm import LLMConfig, LLMTeacher, VLLMServer, server_kwargs
 
         lc = LLMConfig(**tc["llm"])
         srv = dict(lc.server)

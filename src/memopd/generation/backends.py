@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from memopd.agent.protocol import Generation
 from memopd.attention import _CACHE_KW
+from memopd.config import RolloutConfig
 
 
 @dataclass
@@ -353,3 +355,22 @@ class VLLMBackend:
                 reason = "stop"
             gens.append(Generation(ids, lps, reason))
         return gens
+
+
+def make_sampling(ro: RolloutConfig, **overrides) -> Sampling:
+    """Sampling parameters of the `rollout` config section, with per-step overrides (e.g. eval's greedy)."""
+    return Sampling(**ro.sampling(**overrides))
+
+
+def make_backend(ro: RolloutConfig, model_dir: str | Path, seed: int = 0, **sampling_overrides):
+    """The generation engine named by the `rollout` config section (`hf` or `vllm`)."""
+    from memopd.models import default_device, load_model, load_tokenizer
+
+    sampling = make_sampling(ro, **sampling_overrides)
+    tok = load_tokenizer(model_dir)
+    if ro.vllm_engine:
+        return VLLMBackend(str(model_dir), tok, sampling, dtype=ro.dtype, seed=seed,
+                           gpu_memory_utilization=ro.vllm.get("gpu_memory_utilization", 0.85),
+                           max_model_len=ro.vllm.get("max_model_len")), tok, None
+    model = load_model(model_dir, dtype=ro.dtype, device=ro.device or default_device())
+    return HFBackend(model, tok, sampling), tok, model

@@ -35,9 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memopd.agent.backends import Sampling, VLLMBackend
 from memopd.agent.protocol import STOP_STRINGS, SYSTEM_PROMPT, Generation, budget_text, encode
-from memopd.agent.teacher import split_prompt
+from memopd.generation.backends import Sampling, VLLMBackend
+from memopd.teachers.scripted import split_prompt
 
 HOST = "127.0.0.1"  # the server is never exposed beyond this machine
 

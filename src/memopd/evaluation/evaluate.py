@@ -14,32 +14,13 @@ from pathlib import Path
 
 import torch
 
-from memopd.agent.backends import HFBackend, Sampling, VLLMBackend
 from memopd.agent.protocol import Task, load_tasks
 from memopd.agent.rollout import rollout
 from memopd.config import RULES, AgentConfig, RolloutConfig, eval_overrides, per_benchmark, rollout_config
-from memopd.records import Episode, save_episodes
+from memopd.generation.backends import make_backend, make_sampling
 from memopd.outputs import write_csv, write_json
+from memopd.records import Episode, save_episodes
 from memopd.retrieval import load_retriever
-
-def make_sampling(ro: RolloutConfig, **overrides) -> Sampling:
-    """Sampling parameters of the `rollout` config section, with per-step overrides (e.g. eval's greedy)."""
-    return Sampling(**ro.sampling(**overrides))
-
-
-def make_backend(ro: RolloutConfig, model_dir: str | Path, seed: int = 0, **sampling_overrides):
-    """The generation engine named by the `rollout` config section (`hf` or `vllm`)."""
-    from memopd.models import default_device, load_model, load_tokenizer
-
-    sampling = make_sampling(ro, **sampling_overrides)
-    tok = load_tokenizer(model_dir)
-    if ro.vllm_engine:
-        return VLLMBackend(str(model_dir), tok, sampling, dtype=ro.dtype, seed=seed,
-                           gpu_memory_utilization=ro.vllm.get("gpu_memory_utilization", 0.85),
-                           max_model_len=ro.vllm.get("max_model_len")), tok, None
-    model = load_model(model_dir, dtype=ro.dtype, device=ro.device or default_device())
-    return HFBackend(model, tok, sampling), tok, model
-
 
 def load_agent(ro: RolloutConfig, model_dir: str | Path, index: str | Path, seed: int, **sampling):
     """(backend, tokenizer, model, retriever) of an agent step; the index opens first, so that a missing one
