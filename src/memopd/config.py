@@ -103,7 +103,7 @@ class RolloutConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RolloutConfig":
-        known = {f.name for f in fields(cls)} - {"engine"} | {"backend"}
+        known = ({f.name for f in fields(cls)} - {"engine"}) | {"backend"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown rollout config keys {sorted(unknown)}")

@@ -92,7 +92,7 @@ def write_archive(train: dict, reward: str, eval_dir: str | Path, train_dir: str
     if missing:
         raise FileNotFoundError(f"cannot archive: {len(missing)} missing, e.g. {missing[0]}")
     for d in (eval_dir, train_dir):  # its eval/ and train/ are replaced: they must not be the run's own
-        if d.resolve() in [(out / sub).resolve() for sub in ("eval", "train")] or out.resolve() in d.resolve().parents:
+        if out.resolve() in d.resolve().parents:
             raise ValueError(f"the archive {out} would replace {d}, which it archives: write it elsewhere")
     (out / MANIFEST).unlink(missing_ok=True)
     for old in ("eval", "train"):  # an earlier archive's runs are not this one's

@@ -16,7 +16,7 @@ from memopd.train.ppo import PPOConfig
 WORKFLOW_KEYS = ("student", "teacher", "methods", "seeds", "benchmark", "horizons", "matched_control")
 # PPOConfig fields that are not keys of train.ppo: the run's method and seed, train.dtype, the tokenizer's size
 PPO_RUN_FIELDS = ("method", "seed", "dtype", "vocab")
-# train.ppo keys spelled otherwise in PPOConfig: each lambda named for what it weighs
+# train.ppo keys spelled otherwise in PPOConfig: each lambda named for what it weighs, the attention path for what it is
 PPO_FIELD_OF_KEY = {"lam": "gae_lambda", "opd_coef": "opd_lambda", "backend": "attention"}
 
 
