@@ -152,6 +152,9 @@ def test_actor_loss_with_zero_lambda_is_ppo_minus_entropy():
     c, _ = actor_loss(logp, old, adv, ent, opd=torch.tensor(3.0), clip=0.2, entropy_coef=0.01, opd_lambda=0.5)
     assert a.item() == b.item()
     assert c.item() == pytest.approx(b.item() + 1.5)
+    # lambda 0 leaves the OPD term out of the loss, not in at weight 0: a non-finite KL cannot reach PPO's loss
+    d, _ = actor_loss(logp, old, adv, ent, opd=torch.tensor(float("inf")), clip=0.2, entropy_coef=0.01, opd_lambda=0.0)
+    assert d.item() == b.item()
 
 
 def test_opd_mean_is_over_the_minibatch_teacher_tokens():

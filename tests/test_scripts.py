@@ -302,7 +302,7 @@ def test_tuning_picks_the_largest_admissible_lr_then_the_smaller_regulariser():
     assert tu.choose(runs).point == tu.Point("ppo", 3e-4, 0.01)
     runs[2] = out(3e-4, 0.01, ci=(-0.10, -0.01))  # greedy F1 below the student's: not admissible
     assert tu.choose(runs).point == tu.Point("ppo", 1e-4, 0.001)
-    assert out(1e-4, 0.001, inv_last=0.12).collapsed is False  # +0.10 exactly is the limit, kept
+    assert out(1e-4, 0.001, inv_first=0.0, inv_last=0.1).collapsed is False  # +0.10 exactly is the limit, kept
     assert tu.choose([out(1e-4, 0.001, ci=(-0.2, -0.1))]) is None
 
 

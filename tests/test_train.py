@@ -54,6 +54,19 @@ def test_one_step_runs_and_changes_the_weights(method):
         assert m["opd/loss"] > 0
 
 
+def test_lambda_zero_never_scores_the_teacher_in_the_update():
+    """A MemOPD run at lambda 0 is PPO with a teacher loaded: the update computes no OPD term (no teacher-head
+    pass, no OPD metric), and its step equals plain PPO's."""
+    runs = {}
+    for method, lam in (("memopd", 0.0), ("ppo", 0.5)):
+        policy, ref, critic, teacher, a_opt, c_opt = _setup()
+        m = ppo_update(_episodes(), policy, ref, critic, teacher, a_opt, c_opt,
+                       PPOConfig(method=method, opd_lambda=lam, minibatch_episodes=2))
+        runs[method] = (m, policy.state_dict())
+    assert "opd/loss" not in runs["memopd"][0]
+    assert all(torch.equal(v, runs["ppo"][1][k]) for k, v in runs["memopd"][1].items())
+
+
 def test_the_matched_control_moves_only_the_teacher_state():
     policy, ref, critic, teacher, _, _ = _setup()
     eps = _episodes()
