@@ -278,6 +278,12 @@ def test_design_check_applies_each_threshold_at_its_edge(tmp_path):
     _evaluation(res / "eval/student_sft/q8_test", [0.3, 0.0] * 19 + [0.29, 0.0], 0.49)
     got = {c.name: c.passed for c in dc.go_no_go(res, "q2_test", "q8_test")}
     assert not got["student answers q8_test"] and not got["student F1 q8_test / q2_test"]
+    # Design B: the long horizon's models are another run's; its teacher there beats its student
+    other = tmp_path / "h8"
+    _evaluation(other / "eval/student_sft/q8_test", student_q8, 0.5)
+    _evaluation(other / "eval/teacher_sft/q8_test", [v + 0.2 for v in student_q8], 0.5)
+    got = {c.name: c.passed for c in dc.go_no_go(res, "q2_test", "q8_test", other)}
+    assert all(got.values())
     # persistent flattening: mean difference 0.019 passes, 0.021 fails (the same tasks, by hand)
     _evaluation(tmp_path / "flat/q2_test", [v - 0.019 for v in teacher], 1.0)
     got = {c.name: c.passed for c in dc.both_states(res, tmp_path / "flat", "q2_test")}

@@ -9,7 +9,7 @@ from a dev run's evaluations (RESULTS/eval/{model}/{benchmark}.json and its per-
   states within +-0.02 (the mean over the same tasks), and above the student's on both.
 
     python workflow/scripts/design_check.py --results results/study_dev/results \
-        [--short q2_test] [--long q8_test] [--persistent /tmp/flattened/teacher_sft]
+        [--short q2_test] [--long q8_test] [--long-results DIR] [--persistent /tmp/flattened/teacher_sft]
 
 Prints each condition with its figures and PASS/FAIL, and exits 0 whatever they say (a failed rule is a result).
 """
@@ -48,12 +48,14 @@ def _beats(name: str, base: dict[str, float], other: dict[str, float]) -> Condit
                      pt["ci_low"] > 0)
 
 
-def go_no_go(results: Path, short: str, long: str) -> list[Condition]:
-    """The design's go/no-go conditions on the student (student_sft) and teacher (teacher_sft)."""
+def go_no_go(results: Path, short: str, long: str, long_results: Path | None = None) -> list[Condition]:
+    """The design's go/no-go conditions on the student (student_sft) and teacher (teacher_sft). `long_results`:
+    the long horizon's models and evaluations when they are another run's (Design B trains at each horizon)."""
+    long_results = long_results or results
     s_short, f_s_short = _eval(results / "eval" / "student_sft" / short)
-    s_long, f_s_long = _eval(results / "eval" / "student_sft" / long)
+    s_long, f_s_long = _eval(long_results / "eval" / "student_sft" / long)
     _, f_t_short = _eval(results / "eval" / "teacher_sft" / short)
-    _, f_t_long = _eval(results / "eval" / "teacher_sft" / long)
+    _, f_t_long = _eval(long_results / "eval" / "teacher_sft" / long)
     ratio = s_long["f1"] / s_short["f1"] if s_short["f1"] > 0 else float("nan")
     return [
         Condition(f"student answers {long}", f"{s_long['answered_rate']:.3f} of {s_long['episodes']} episodes "
@@ -86,9 +88,10 @@ def main() -> None:
     ap.add_argument("--results", required=True, help="the dev run's results/ directory")
     ap.add_argument("--short", default="q2_test", help="the training horizon's benchmark")
     ap.add_argument("--long", default="q8_test", help="the long horizon's benchmark")
+    ap.add_argument("--long-results", help="the long horizon's results/ directory, when another run's (Design B)")
     ap.add_argument("--persistent", help="the teacher's evaluation directory with agent.view persistent")
     a = ap.parse_args()
-    conds = go_no_go(Path(a.results), a.short, a.long)
+    conds = go_no_go(Path(a.results), a.short, a.long, Path(a.long_results) if a.long_results else None)
     if a.persistent:
         conds += both_states(Path(a.results), Path(a.persistent), a.short)
     for c in conds:
