@@ -119,7 +119,7 @@ def _fsdp_worker(rank, world, port, examples, cfg, out, job):
 
     import torch.distributed as dist
 
-    from memopd.sft.trainer import whole_tensors
+    from memopd.parallel import full_state_dict as whole_tensors
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -180,7 +180,7 @@ def test_fsdp_sft_on_two_ranks_equals_one_process(examples, tmp_path):
 
 def test_fsdp_sft_checkpoint_resumes_to_the_same_weights(examples, tmp_path):
     """A sharded run (tied embeddings) killed after 4 steps resumes from its step-3 checkpoint to the weights
-    of the uninterrupted run; the checkpoint holds whole tensors (the tied one once) that load into an
+    of the uninterrupted run; a checkpoint holds whole tensors (the tied one once) that load into an
     unsharded model."""
     from memopd.checkpoint import load_tensors
 
@@ -192,8 +192,9 @@ def test_fsdp_sft_checkpoint_resumes_to_the_same_weights(examples, tmp_path):
     assert s["c"]["resumed_from"] == 3 and s["a"]["resumed_from"] is None
     for k, v in w["a"].items():
         assert torch.equal(w["c"][k], v), k
-    assert json.loads((tmp_path / "b/meta.json").read_text())["step"] == 3  # the kept checkpoint (c finished)
-    stored = load_tensors(tmp_path / "a" / "model.safetensors")  # a's last checkpoint, at step 3
+    # the last checkpoint is at the last step, kept until the caller has exported the model (c finished)
+    assert json.loads((tmp_path / "b/meta.json").read_text())["step"] == 6
+    stored = load_tensors(tmp_path / "a" / "model.safetensors")  # a's last checkpoint, at step 6
     plain = tiny_tied()
     assert set(stored) == set(plain.state_dict())
     assert stored["lm_head.weight"].data_ptr() == stored["model.embed_tokens.weight"].data_ptr()  # stored once

@@ -11,14 +11,15 @@ lowest first:
   1 layout, config packing, vocab, prefetch, config (the typed config sections: on inputs' errors)
   2 exact forward  attention
   3 on the forward rce, parallel
-  4 data           data
-  5 corpora        retrieval, synthetic
-  6 agent          agent (protocol, memory rules, the rollout loop)
-  7 generation     generation (the engines the agent samples with, the training engine's weight sync)
-  8 teachers, evaluation  teachers (scripted, LLM, the trajectory step), evaluation
-  9 trainers       sft, train
- 10 audits, plans  audit, plan
- 11 reports        report (the tables and figures over runs, audits and plans: the last stage)
+  4 run harness    harness (identity, resume, checkpoints, the step loop and export of every trainer)
+  5 data           data
+  6 corpora        retrieval, synthetic
+  7 agent          agent (protocol, memory rules, the rollout loop)
+  8 generation     generation (the engines the agent samples with, the training engine's weight sync)
+  9 teachers, evaluation  teachers (scripted, LLM, the trajectory step), evaluation
+ 10 trainers       sft, train
+ 11 audits, plans  audit, plan
+ 12 reports        report (the tables and figures over runs, audits and plans: the last stage)
   top              cli, __main__ and every module named `commands` (memopd.commands, sft.commands, ...): they
                    may import anything, and nothing below the top may import them
 
@@ -42,6 +43,7 @@ FLOORS = [
     ("layout, config", {"packing", "vocab", "prefetch", "config"}),
     ("exact forward", {"attention"}),
     ("on the forward", {"rce", "parallel"}),
+    ("run harness", {"harness"}),
     ("data", {"data"}),
     ("corpora", {"retrieval", "synthetic"}),
     ("agent", {"agent"}),

@@ -387,7 +387,7 @@ def test_tied_weights_checkpoint_and_export_round_trip(tmp_path, monkeypatch):
 
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from memopd.train.loop import load_checkpoint, save_checkpoint
+    from memopd.harness import Harness, Part, export
     from memopd.train.ppo import ValueModel
 
     def tied(seed):
@@ -401,7 +401,9 @@ def test_tied_weights_checkpoint_and_export_round_trip(tmp_path, monkeypatch):
     a_opt, c_opt = torch.optim.AdamW(policy.parameters(), lr=1e-2), torch.optim.AdamW(critic.parameters(), lr=1e-2)
     policy(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
     a_opt.step()
-    save_checkpoint(tmp_path / "ckpt", 3, policy, critic, a_opt, c_opt)
+    saver = Harness(tmp_path / "ckpt", {"run": 1}, 3, 3, "t", parts=[Part("policy", policy, "actor_opt", a_opt),
+                                                                     Part("critic", critic, "critic_opt", c_opt)])
+    saver.save(3)
     stored = load_file(tmp_path / "ckpt/policy.safetensors")
     assert "lm_head.weight" not in stored or "model.embed_tokens.weight" not in stored  # stored once
 
@@ -410,15 +412,18 @@ def test_tied_weights_checkpoint_and_export_round_trip(tmp_path, monkeypatch):
     a2, c2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2), torch.optim.AdamW(fresh_critic.parameters(), lr=1e-2)
     loads, torch_load = [], torch.load
     monkeypatch.setattr(torch, "load", lambda f, **kw: loads.append((f, kw.get("mmap"))) or torch_load(f, **kw))
-    assert load_checkpoint(tmp_path / "ckpt", fresh, fresh_critic, a2, c2) == 3
+    loader = Harness(tmp_path / "ckpt", {"run": 1}, 3, 3, "t", parts=[Part("policy", fresh, "actor_opt", a2),
+                                                                      Part("critic", fresh_critic, "critic_opt", c2)])
+    assert loader.resume(loader.find()) == 3
     assert loads == [(tmp_path / "ckpt/state.pt", True)]
     for (k, v), w in zip(policy.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(v, w), k
     assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()  # still tied
     assert all(torch.equal(a, b) for a, b in zip(a_opt.state_dict()["state"][0].values(),
                                                   a2.state_dict()["state"][0].values()))
-    # the export path of train_run (save_pretrained with the gathered state dict)
-    policy.save_pretrained(tmp_path / "model", state_dict=dict(policy.state_dict()), safe_serialization=True)
+    # the export path of every trainer (save_pretrained with the gathered state dict)
+    tok = type("Tok", (), {"save_pretrained": lambda self, d: None})()
+    export(policy, tmp_path / "model", tok)
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
     assert torch.equal(back.lm_head.weight, policy.lm_head.weight)

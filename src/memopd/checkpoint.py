@@ -1,12 +1,5 @@
-"""Training checkpoints: weights as safetensors, everything else in a tensors-only torch file.
-
-A checkpoint directory holds
-  model.safetensors  the model's weights (safetensors.torch.save_model: shared tensors handled)
-  state.pt           optimizer + scheduler state dicts and RNG states, all plain tensors/numbers,
-                     read back with torch.load(weights_only=True, mmap=True) (no pickled code is ever executed)
-  meta.json          step (the data position: the next optimizer step), fingerprint of the run,
-                     accumulated train seconds, tracking run id
-It is written to `<dir>.tmp` and swapped in, so a kill while saving leaves the previous checkpoint.
+"""Checkpoint storage: weights as safetensors, everything else in a tensors-only torch file, sharded state by
+torch.distributed.checkpoint. What a checkpoint directory holds and when it is written: memopd.harness.
 
 Sharded checkpoints (torch.distributed.checkpoint, "DCP"; training under a process group): every rank copies the
 tensors it holds to host memory, then writes them in a background thread while training goes on: its FSDP shards,
@@ -17,6 +10,7 @@ number of ranks reads only the pieces of the tensors it holds.
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 from concurrent.futures import Future
@@ -26,7 +20,7 @@ from typing import Callable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, save_file
 
 ALIASES = "memopd_aliases"  # safetensors metadata key: {name: the stored name whose tensor it shares}
 
@@ -57,37 +51,32 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def rng_state() -> dict:
-    """Python, torch CPU and CUDA generator states as tensors (weights_only-loadable)."""
+    """Python, torch CPU and CUDA generator states, tensors only (weights_only-loadable, and storable by
+    torch.distributed.checkpoint)."""
     version, internal, gauss = random.getstate()
-    out = {
-        "python": torch.tensor(internal, dtype=torch.int64),
-        "python_version": version,
-        "torch": torch.get_rng_state(),
-    }
-    if gauss is not None:
-        out["python_gauss"] = gauss
+    if version != 3:  # the only version of CPython's Mersenne Twister state
+        raise ValueError(f"random.getstate() version {version}: expected 3")
+    out = {"python": torch.tensor(internal, dtype=torch.int64),
+           "python_gauss": torch.tensor(float("nan") if gauss is None else gauss, dtype=torch.float64),
+           "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         out["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
     return out
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate((state["python_version"], tuple(state["python"].tolist()), state.get("python_gauss")))
+    gauss = float(state["python_gauss"])
+    random.setstate((3, tuple(state["python"].tolist()), None if math.isnan(gauss) else gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
-def write_checkpoint_dir(path: str | Path, write_weights, state: dict, meta: dict) -> None:
-    """A checkpoint directory (model.safetensors via `write_weights(file)`, state.pt, meta.json), written to
-    `<dir>.tmp` and swapped in, so a kill at any point leaves the previous checkpoint or the new one whole."""
-    path = Path(path)
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write_weights(tmp / "model.safetensors")
-    torch.save(state, tmp / "state.pt")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+def publish_dir(tmp: str | Path, path: str | Path) -> None:
+    """Swap the written directory `tmp` in as `path`: a kill at any point leaves the previous one (possibly as
+    `<path>.old`, which a resume reads) or the new one whole."""
+    tmp, path = Path(tmp), Path(path)
+    old = path.with_name(path.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         path.rename(old)
@@ -95,38 +84,11 @@ def write_checkpoint_dir(path: str | Path, write_weights, state: dict, meta: dic
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(path: str | Path, model, optimizer, scheduler, meta: dict) -> None:
-    write_checkpoint_dir(path, lambda f: save_model(model, str(f)),
-                         {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
-                         meta)
-
-
-def read_meta(path: str | Path) -> dict | None:
-    """The checkpoint's meta.json, or None when there is no complete checkpoint at `path`."""
-    path = Path(path)
-    if not path.exists() and path.with_name(path.name + ".old").exists():
-        path = path.with_name(path.name + ".old")  # killed between the two renames of a save
-    files = [path / n for n in ("model.safetensors", "state.pt", "meta.json")]
-    if not all(f.exists() for f in files):
-        return None
-    return {**json.loads((path / "meta.json").read_text()), "path": str(path)}
-
-
 def read_state(path: str | Path) -> dict:
     """A checkpoint's state.pt, memory-mapped rather than read: the ranks of a node share the file's pages and
     copy only what they keep (each of 8 ranks reading a 7B teacher's ~61 GB AdamW state whole would need
     ~490 GB of host memory)."""
     return torch.load(Path(path) / "state.pt", weights_only=True, map_location="cpu", mmap=True)
-
-
-def load_checkpoint(meta: dict, model, optimizer, scheduler) -> None:
-    """Restore weights, optimizer, scheduler and RNG in place from the checkpoint `meta` points to."""
-    path = Path(meta["path"])
-    load_model(model, str(path / "model.safetensors"), strict=True, device=str(next(model.parameters()).device))
-    state = read_state(path)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
 
 
 SHARDED_INDEX = ".metadata"  # written last by torch.distributed.checkpoint: the directory is a whole sharded checkpoint

@@ -39,6 +39,7 @@ import torch
 from memopd.attention import recomputes_activations
 
 SHARDING = ("none", "fsdp")
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}  # the SFT config's spelling -> the dtype name used here
 
 
 def autocast(device: torch.device, dtype: str):
@@ -188,10 +189,18 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """The wrapped model's state dict with whole tensors (collective under FSDP: every rank calls it, in
-    the same order), Hugging Face names."""
-    return {k: full_tensor(v.detach()) for k, v in unwrap(model).state_dict().items()}
+def full_state_dict(model, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The wrapped model's state dict as whole CPU tensors, Hugging Face names (collective under FSDP: every rank
+    calls it, in the same order; only ranks with `keep` hold the result, the others get {}). A tensor several
+    names share (tied embeddings) is gathered once and stays shared, so checkpoint.save_tensors stores it once."""
+    out, done = {}, {}
+    for k, v in unwrap(model).state_dict(keep_vars=True).items():
+        if id(v) not in done:
+            whole = full_tensor(v.detach())  # one tensor at a time on the device
+            done[id(v)] = whole.cpu() if keep else None
+        if keep:
+            out[k] = done[id(v)]
+    return out
 
 
 def load_full_state_dict(model, state: dict[str, torch.Tensor]) -> None:

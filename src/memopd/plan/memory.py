@@ -75,8 +75,8 @@ S ways a model is sharded (W under FSDP, else 1), G = plan.gpu_memory_gb.
                                                       a search block; building: one shard at a time
   checkpoint (host)    W * 12 * (P + P_c) / S         train, W > 1: every rank copies what it holds (fp32
                                                       weights + AdamW state) to host memory and writes it in the
-                                                      background (train/loop.save_sharded_checkpoint); one
-                                                      process: 12 * (P + P_c), whole (save_checkpoint)
+                                                      background (harness.Harness.save); one
+                                                      process: 12 * (P + P_c), whole
   load (train)         2 * P * 4 + P * 4 / S + util*G  models sharded as they are built (train/loop.build_models):
                                                       the fp32 policy whole, the reference's shard and the
                                                       critic's deep copy whole (before it keeps its first layers

@@ -120,7 +120,7 @@ def _train_wake(job: Job, pol: Spec) -> None:
 
 
 def _train_resume(job: Job, p: int, pc: int, w: int, s: int, largest: float) -> None:
-    """A resume (train/loop.load_checkpoint), before the index loads. One process: safetensors maps policy and critic
+    """A resume (harness.Harness.resume), before the index loads. One process: safetensors maps policy and critic
     and checkpoint.read_state maps state.pt. Several: each rank reads the pieces it holds of the sharded checkpoint,
     one tensor at a time (its bytes, then the tensor, copied to the GPU). Either way the files' pages are cached once
     for the node."""

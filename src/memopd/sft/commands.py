@@ -7,7 +7,6 @@ they record nothing in MLflow and say so. MLFLOW_TRACKING_URI in the environment
 from __future__ import annotations
 
 import json
-import shutil
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -151,7 +150,8 @@ def cmd_sft_train(args, cfg):
     from memopd.models import load_model, load_tokenizer
     from memopd.records import load_episodes
     from memopd.sft.data import of_layouts, split_heldout
-    from memopd.sft.trainer import train, whole_tensors
+    from memopd.harness import discard, export
+    from memopd.sft.trainer import train
 
     tcfg = train_config(cfg, args.role, args.stage)
     existing(args.examples, args.init)
@@ -177,11 +177,8 @@ def cmd_sft_train(args, cfg):
             run.log_input(args.examples, "train", name="sft/" + Path(args.examples).stem)
         summary = train(model, train_ex, heldout, tcfg, seed, out / "checkpoint", log=run.log_metrics,
                         identity=identity)
-        # sft.shard fsdp: the weights gathered from the shards (collective), kept by rank 0 only
-        state = whole_tensors(model, keep=rank == 0) if tcfg.shard == "fsdp" and world > 1 else None
+        export(model, out, load_tokenizer(args.init))  # sft.shard fsdp: gathered from the shards (collective)
         if rank == 0:
-            model.save_pretrained(out, state_dict=state, safe_serialization=True)
-            load_tokenizer(args.init).save_pretrained(out)
             info_path = Path(args.init) / "memopd_model.json"
             init_info = json.loads(info_path.read_text()) if info_path.exists() else {}
             info = {**init_info, "params": sum(p.numel() for p in model.parameters()), "init": args.init,
@@ -191,7 +188,7 @@ def cmd_sft_train(args, cfg):
             run.log_dict(summary, "summary.json")
             run.log_metrics({"train_seconds": summary["train_seconds"]}, summary["steps"])
             run.write_ref(out)  # the model's evaluations (sft eval, eval) become child runs of this one
-            shutil.rmtree(out / "checkpoint", ignore_errors=True)
+        discard(out / "checkpoint")
     if world > 1:
         torch.distributed.destroy_process_group()
     if rank == 0:

@@ -40,20 +40,9 @@ import torch
 import torch.distributed as dist
 
 from memopd import parallel
-from memopd.checkpoint import (
-    load_checkpoint,
-    load_tensors,
-    read_state,
-    read_meta,
-    rng_state,
-    save_checkpoint,
-    save_tensors,
-    set_rng_state,
-    write_checkpoint_dir,
-)
 from memopd.dist import TIMEOUT_MIN, dist_info
+from memopd.harness import Harness, Part
 from memopd.packing import PackingLimitError
-from memopd.progress import Progress
 from memopd.records import Episode
 from memopd.sft.data import LAYOUTS, StepPlan, bin_pack, example_len, target_len
 from memopd.sft.loss import TargetLoss, target_loss
@@ -112,6 +101,11 @@ class TrainConfig:
     repeat_length: tuple[int, int] = (16, 96)  # [min, max] tokens of such a sequence
     layouts: tuple[str, ...] = ("exact",)  # the states of the turn examples trained on (sft.data.LAYOUTS)
 
+    @property
+    def dtype(self) -> str:
+        """The compute precision as the trainers name it (parallel.PRECISIONS)."""
+        return parallel.PRECISIONS[self.precision]
+
     @classmethod
     def from_section(cls, section: dict, role: str | None = None) -> "TrainConfig":
         """The `sft` config section with the role's overrides (budget, lr, ...) applied."""
@@ -134,7 +128,7 @@ class TrainConfig:
         cfg = cls(**merged)
         if (cfg.steps is None) == (cfg.epochs is None):
             raise ValueError("SFT config needs exactly one budget: steps or epochs")
-        if cfg.precision not in ("fp32", "bf16") or cfg.mode not in ("packed", "padded"):
+        if cfg.precision not in parallel.PRECISIONS or cfg.mode not in ("packed", "padded"):
             raise ValueError(f"bad precision {cfg.precision!r} or mode {cfg.mode!r}")
         if cfg.repeats < 0 or not 1 <= cfg.repeat_length[0] <= cfg.repeat_length[1]:
             raise ValueError(f"sft.repeats {cfg.repeats} / repeat_length {list(cfg.repeat_length)}: "
@@ -182,12 +176,6 @@ def fingerprint(cfg: TrainConfig, seed: int, examples: list[Episode], world: int
     return h.hexdigest()[:16]
 
 
-def _autocast(device: torch.device, precision: str):
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return nullcontext()
-
-
 @torch.no_grad()
 def evaluate(model, examples: list[Episode], cfg: TrainConfig) -> dict:
     """Held-out target loss: mean NLL per target token over all `examples` (all ranks together). `model`:
@@ -200,7 +188,7 @@ def evaluate(model, examples: list[Episode], cfg: TrainConfig) -> dict:
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with parallel.gathered(model):  # sharded: the ranks may run different numbers of bins
         for b in bins[rank::world]:
-            with _autocast(device, cfg.precision):
+            with parallel.autocast(device, cfg.dtype):
                 s, n = parallel.call(model, lambda m, b=b: target_loss(m, [examples[i] for i in b], cfg.mode,
                                                                        cfg.seq_len, cfg.attention))
             total += torch.tensor([s.item(), n], dtype=torch.float64, device=device)
@@ -211,145 +199,117 @@ def evaluate(model, examples: list[Episode], cfg: TrainConfig) -> dict:
     return {"target_loss": nll / n if n else float("nan"), "target_tokens": int(n), "examples": len(examples)}
 
 
-def whole_tensors(model, keep: bool = True) -> dict[str, torch.Tensor]:
-    """The model's state dict as whole CPU tensors, Hugging Face names (collective when `model` is sharded:
-    every rank calls it; only ranks with `keep` hold the result, the others return {}). A tensor several
-    names share (tied embeddings) is gathered once and stays shared, so save_tensors stores it once."""
-    out, done = {}, {}
-    for k, v in parallel.unwrap(model).state_dict(keep_vars=True).items():
-        if id(v) not in done:
-            whole = parallel.full_tensor(v.detach())  # one tensor at a time on the device
-            done[id(v)] = whole.cpu() if keep else None
-        if keep:
-            out[k] = done[id(v)]
-    return out
-
-
-def save_sharded_checkpoint(path: str | Path, model, opt, sched, meta: dict, write: bool) -> None:
-    """A checkpoint of a sharded model in the layout of memopd.checkpoint (collective: every rank calls it;
-    `write` on rank 0): whole weights (save_tensors: tied ones once), the whole AdamW state keyed by
-    parameter name (parallel.optimizer_state), scheduler and RNG; written to `<dir>.tmp`, then swapped in."""
-    tensors = whole_tensors(model, keep=write)
-    optim = parallel.optimizer_state(model, opt)
-    if write:
-        write_checkpoint_dir(path, lambda f: save_tensors(tensors, f),
-                             {"optimizer": optim, "scheduler": sched.state_dict(), "rng": rng_state()}, meta)
-    dist.barrier()
-
-
-def load_sharded_checkpoint(meta: dict, model, opt, sched) -> None:
-    """Inverse of `save_sharded_checkpoint`: every rank reads the whole tensors and keeps its shards."""
-    path = Path(meta["path"])
-    parallel.load_full_state_dict(model, load_tensors(path / "model.safetensors"))
-    state = read_state(path)
-    parallel.load_optimizer_state(model, opt, state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
-
-
 def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConfig, seed: int,
           checkpoint_dir: str | Path, log: Callable[[dict, int], None] | None = None,
           identity: dict | None = None, stop_after: int | None = None, progress: bool = True) -> dict:
-    """Train `model` in place on `examples`; resume from `checkpoint_dir` when it holds a checkpoint
-    of this very run (same fingerprint). `log(metrics, step)` receives training curves and held-out
-    evaluations (rank 0 only). `stop_after=k` returns right after the k-th optimizer step of this
-    call (and any checkpoint due then), keeping nothing else: what a kill leaves behind (resume tests).
-    Returns a summary (steps, train_seconds, final held-out evaluation, ...). With `cfg.shard` fsdp on
-    several ranks `model` is sharded in place (its parameters become this rank's shards): read it back
-    with `whole_tensors(model)` (collective)."""
+    """Train `model` in place on `examples`; resume from `checkpoint_dir` when it holds a checkpoint of this very
+    run (same fingerprint; another run's is replaced). `log(metrics, step)` receives training curves and held-out
+    evaluations (rank 0 only). `stop_after=k` returns right after the k-th optimizer step of this call (and its
+    checkpoint), keeping nothing else: what a kill leaves behind (resume tests). Returns a summary (steps,
+    train_seconds, final held-out evaluation, ...); the checkpoint stays until the caller has exported the model
+    (harness.export, then harness.discard). With `cfg.shard` fsdp on several ranks `model` is sharded in place
+    (its parameters become this rank's shards): harness.export gathers it."""
     rank, world, _ = dist_info()
-    device = next(model.parameters()).device
     lengths = [example_len(x) for x in examples]
     for i, n in enumerate(lengths):  # name the offending example before anything runs
         if n > cfg.seq_len:
             raise PackingLimitError(n, cfg.seq_len, [examples[i].task_id])
     plan = StepPlan(lengths, cfg.seq_len, cfg.grad_accum * world, seed, cfg.steps, cfg.epochs)
-    total_steps = plan.total_steps
     torch.manual_seed(seed)
     if cfg.activation_checkpointing:  # before sharding: FSDP's hooks stay outside the recomputation
         parallel.checkpoint_activations(model)
     sharded = cfg.shard == "fsdp" and world > 1  # one rank: a shard is the whole model, the replica path
-    net = parallel.shard(model, "bfloat16" if cfg.precision == "bf16" else "float32") if sharded else model
+    net = parallel.shard(model, cfg.dtype) if sharded else model
     model.train()
-    opt, sched = make_optimizer(model, cfg, total_steps)  # on the shards when sharded
+    opt, sched = make_optimizer(model, cfg, plan.total_steps)  # on the shards when sharded
     fp = fingerprint(cfg, seed, examples, world, identity or {})
-    checkpoint_dir = Path(checkpoint_dir)
-    meta = {"step": 0, "fingerprint": fp, "train_seconds": 0.0}
-    found = read_meta(checkpoint_dir)
-    if found is not None and found["fingerprint"] == fp:
-        (load_sharded_checkpoint if sharded else load_checkpoint)(found, net, opt, sched)
-        meta.update(step=found["step"], train_seconds=found["train_seconds"], resumed_from=found["step"])
-        if rank == 0:
-            print(f"resuming from the checkpoint at step {found['step']} in {checkpoint_dir}")
-    elif found is not None and rank == 0:
-        print(f"checkpoint in {checkpoint_dir} belongs to another run (fingerprint {found['fingerprint']} != {fp}); "
-              "starting from scratch and replacing it")
-    start = meta["step"]
+    harness = Harness(Path(checkpoint_dir), {"fingerprint": fp}, plan.total_steps, cfg.checkpoint_every, "sft",
+                      replace_other=True, parts=[Part("model", net, "optimizer", opt)],
+                      schedulers={"scheduler": sched}, extra={"train_seconds": 0.0}, progress=progress)
+    start = harness.resume(harness.find())
+    step = _Step(net, model, examples, lengths, plan, cfg, opt, sched, harness.extra, rank, world, sharded)
 
-    if sharded:  # through the root's forward (its parameters gathered), FSDP sums gradients over ranks
-        def step_loss(batch):
-            return parallel.call(net, lambda m: target_loss(m, batch, cfg.mode, cfg.seq_len, cfg.attention)[0])
-        ddp, scale = None, 1
-    else:
-        ddp = TargetLoss(model, cfg.mode, cfg.seq_len, cfg.attention)
-        if world > 1:
-            ddp = torch.nn.parallel.DistributedDataParallel(ddp, device_ids=None)
-        step_loss, scale = ddp, world  # DDP averages gradients over ranks: x world turns that into the sum
-    params = [p for p in model.parameters() if p.requires_grad]
-    bar = Progress("sft", total_steps, "steps", start=start, enabled=progress and rank == 0)
-    done, loss = start, None
-    for step in range(start, total_steps):
-        t0 = time.perf_counter()
-        bins = plan.step(step)
-        n_step = sum(target_len(examples[i]) for b in bins for i in b)  # all ranks' target tokens
-        mine = bins[rank::world]
-        opt.zero_grad(set_to_none=True)
-        nll = torch.zeros((), dtype=torch.float64, device=device)
-        for k, b in enumerate(mine):
-            sync = nullcontext() if world == 1 or sharded or k == len(mine) - 1 else ddp.no_sync()
-            with sync:
-                with _autocast(device, cfg.precision):
-                    s = step_loss([examples[i] for i in b])
-                (s * (scale / n_step)).backward()
-            nll += s.detach().double()
-        grad_norm = parallel.clip_grad_norm(params, cfg.clip)  # of the summed gradients (whole, if sharded)
-        if not math.isfinite(grad_norm):  # fail loudly rather than train on from NaN weights
-            raise FloatingPointError(f"non-finite gradient norm at step {step + 1}")
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        if world > 1:
-            dist.all_reduce(nll)
-        dt = time.perf_counter() - t0
-        meta["train_seconds"] += dt
-        done = step + 1
-        loss = nll.item() / n_step
-        bar.update(1, note=f"loss {loss:.4f}, lr {lr:.2e}")
-        tokens = sum(lengths[i] for b in bins for i in b)
-        if log and rank == 0 and (done % cfg.log_every == 0 or done == total_steps):
-            log({"train_loss": loss, "lr": lr, "grad_norm": float(grad_norm), "target_tokens": n_step,
-                 "tokens_per_s": tokens / dt}, done)
-        if heldout and cfg.eval_every and done % cfg.eval_every == 0 and done < total_steps:
+    def run_step(i: int) -> str:
+        m = step(i)
+        done = i + 1
+        if log and rank == 0 and (done % cfg.log_every == 0 or done == plan.total_steps):
+            log(m, done)
+        if heldout and cfg.eval_every and done % cfg.eval_every == 0 and done < plan.total_steps:
             ev = evaluate(net, heldout, cfg)
             if log and rank == 0:
                 log({"heldout_target_loss": ev["target_loss"]}, done)
-        if done % cfg.checkpoint_every == 0 and done < total_steps:
-            meta["step"] = done
-            if sharded:  # collective: every rank gathers, rank 0 writes
-                save_sharded_checkpoint(checkpoint_dir, net, opt, sched, meta, write=rank == 0)
-            else:
-                if rank == 0:
-                    save_checkpoint(checkpoint_dir, model, opt, sched, meta)
-                if world > 1:
-                    dist.barrier()
-        if stop_after is not None and done - start >= stop_after:
-            bar.close()
-            return {"completed": False, "step": done, "total_steps": total_steps}
-    bar.close()
+        return f"loss {m['train_loss']:.4f}, lr {m['lr']:.2e}"
+
+    done = harness.loop(start, run_step, stop_after)
+    if done < plan.total_steps:
+        return {"completed": False, "step": done, "total_steps": plan.total_steps}
     final = evaluate(net, heldout, cfg) if heldout else None
     if final and log and rank == 0:
-        log({"heldout_target_loss": final["target_loss"]}, total_steps)
-    return {"completed": True, "steps": total_steps, "resumed_from": meta.get("resumed_from"),
-            "epochs": plan.epochs_seen, "train_seconds": meta["train_seconds"], "fingerprint": fp,
+        log({"heldout_target_loss": final["target_loss"]}, plan.total_steps)
+    return {"completed": True, "steps": plan.total_steps, "resumed_from": harness.extra.get("resumed_from"),
+            "epochs": plan.epochs_seen, "train_seconds": harness.extra["train_seconds"], "fingerprint": fp,
             "train_examples": len(examples), "heldout_examples": len(heldout), "heldout": final,
-            "last_train_loss": loss}
+            "last_train_loss": step.loss}
+
+
+@dataclass
+class _Step:
+    """One optimizer step of SFT: every micro-batch of the step's bins, the loss summed over target tokens and
+    divided by the step's count (all ranks), clipped, AdamW, the schedule. Returns the step's metrics."""
+    net: torch.nn.Module  # what runs the forward: the model or its FSDP root
+    model: torch.nn.Module
+    examples: list[Episode]
+    lengths: list[int]
+    plan: StepPlan
+    cfg: TrainConfig
+    opt: torch.optim.Optimizer
+    sched: object
+    extra: dict  # the harness's: train_seconds accumulates here
+    rank: int
+    world: int
+    sharded: bool
+    loss: float | None = None
+
+    def __post_init__(self):
+        cfg = self.cfg
+        self.device = next(self.model.parameters()).device
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.sharded:  # through the root's forward (its parameters gathered), FSDP sums gradients over ranks
+            self.ddp, self.scale = None, 1
+            self.step_loss = lambda batch: parallel.call(
+                self.net, lambda m: target_loss(m, batch, cfg.mode, cfg.seq_len, cfg.attention)[0])
+        else:
+            self.ddp = TargetLoss(self.model, cfg.mode, cfg.seq_len, cfg.attention)
+            if self.world > 1:
+                self.ddp = torch.nn.parallel.DistributedDataParallel(self.ddp, device_ids=None)
+            # DDP averages gradients over ranks: x world turns that into the sum
+            self.step_loss, self.scale = self.ddp, self.world
+
+    def __call__(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        bins = self.plan.step(step)
+        n_step = sum(target_len(self.examples[i]) for b in bins for i in b)  # all ranks' target tokens
+        mine = bins[self.rank::self.world]
+        self.opt.zero_grad(set_to_none=True)
+        nll = torch.zeros((), dtype=torch.float64, device=self.device)
+        for k, b in enumerate(mine):
+            last = self.world == 1 or self.sharded or k == len(mine) - 1
+            with nullcontext() if last else self.ddp.no_sync():
+                with parallel.autocast(self.device, self.cfg.dtype):
+                    s = self.step_loss([self.examples[i] for i in b])
+                (s * (self.scale / n_step)).backward()
+            nll += s.detach().double()
+        grad_norm = parallel.clip_grad_norm(self.params, self.cfg.clip)  # of the summed gradients
+        if not math.isfinite(grad_norm):  # fail loudly rather than train on from NaN weights
+            raise FloatingPointError(f"non-finite gradient norm at step {step + 1}")
+        lr = self.sched.get_last_lr()[0]
+        self.opt.step()
+        self.sched.step()
+        if self.world > 1:
+            dist.all_reduce(nll)
+        dt = time.perf_counter() - t0
+        self.extra["train_seconds"] += dt
+        self.loss = nll.item() / n_step
+        tokens = sum(self.lengths[i] for b in bins for i in b)
+        return {"train_loss": self.loss, "lr": lr, "grad_norm": float(grad_norm), "target_tokens": n_step,
+                "tokens_per_s": tokens / dt}

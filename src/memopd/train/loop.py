@@ -15,7 +15,7 @@ position, so the episodes are those of a single process) and the gradients are s
 Precision and memory (`memopd.parallel`): policy, critic and reference are fp32 whatever
 `train.dtype` (bf16 autocast when it is bfloat16; the teacher is loaded in `train.dtype`, inference
 only). `train.shard: fsdp` shards the three with FSDP2 over the ranks (paper scale: fp32 AdamW of a 3B
-policy + 3B critic is ~96 GB). Under a process group a checkpoint is sharded (`save_sharded_checkpoint`): each
+policy + 3B critic is ~96 GB). Under a process group a checkpoint is sharded (memopd.harness): each
 rank copies what it holds to host memory and writes it in the background while training goes on; it resumes with
 any number of ranks.
 
@@ -40,21 +40,18 @@ from __future__ import annotations
 import copy
 import json
 import random
-import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from memopd import parallel
-from memopd.checkpoint import (PendingSave, is_sharded, load_sharded, load_tensors, read_state, save_sharded,
-                               save_tensors)
 from memopd.dist import dist_info, gather, setup_distributed
+from memopd.harness import Harness, Part, ResumeMismatch, discard, export
 from memopd.methods import method as method_spec
-from memopd.progress import Progress
 from memopd.train.config import RunConfig
 from memopd.train.ppo import ValueModel, ppo_update
 from memopd.vocab import check_model_dirs
@@ -80,88 +77,6 @@ def _without(section: dict, paths) -> dict:
     return out
 
 
-class ResumeMismatch(RuntimeError):
-    """A checkpoint of another run (config, method, seed, models or data differ) where this run would resume."""
-
-
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state()}
-
-
-def _publish(tmp: Path, path: Path, step: int, identity: dict | None, metrics: list[str]) -> None:
-    """Complete the checkpoint written into `tmp` (meta.json, the metrics of steps 0..step-1) and swap it in."""
-    (tmp / "meta.json").write_text(json.dumps({"step": step, "identity": identity}, indent=1, sort_keys=True) + "\n")
-    (tmp / "metrics.jsonl").write_text("".join(line + "\n" for line in metrics))
-    if path.exists():
-        shutil.rmtree(path)
-    tmp.replace(path)
-
-
-def save_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt, identity: dict | None = None,
-                    metrics: list[str] = ()) -> None:
-    """A single process's checkpoint (no process group; under one, `save_sharded_checkpoint`): whole tensors as
-    safetensors + state.pt. `identity` (`run_identity`) and the metrics lines of steps 0..step-1 are stored with it,
-    for `resume_point`."""
-    tensors = {name: {k: v.cpu().contiguous() for k, v in parallel.full_state_dict(m).items()}
-               for name, m in (("policy", policy), ("critic", critic))}
-    opts = {"actor_opt": parallel.optimizer_state(policy, actor_opt),
-            "critic_opt": parallel.optimizer_state(critic, critic_opt)}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    for name, t in tensors.items():
-        save_tensors(t, tmp / f"{name}.safetensors")  # tied weights stored once
-    torch.save({"step": torch.tensor(step), **opts, **_rng_state()}, tmp / "state.pt")
-    _publish(tmp, path, step, identity, list(metrics))
-
-
-def _training_state(policy, critic, actor_opt, critic_opt, rng: bool) -> dict:
-    """Policy, critic and their AdamW states as torch.distributed.checkpoint sees them (Hugging Face names, this
-    rank's DTensor shards when sharded), and, with `rng`, the torch generator's state."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    (p, p_opt), (c, c_opt) = (get_state_dict(parallel.unwrap(m), o) for m, o in ((policy, actor_opt),
-                                                                                 (critic, critic_opt)))
-    return {"policy": p, "critic": c, "actor_opt": p_opt, "critic_opt": c_opt,
-            **({"rng": torch.get_rng_state()} if rng else {})}
-
-
-def save_sharded_checkpoint(path: Path, step: int, policy, critic, actor_opt, critic_opt, group,
-                            identity: dict | None = None, metrics: list[str] = ()) -> PendingSave:
-    """Every rank of the process group: write its part of the checkpoint into `<path>.tmp` in the background
-    (checkpoint.save_sharded over `group`). Rank 0's `complete()` then adds meta.json and metrics.jsonl and swaps
-    the directory in, so a kill before that leaves the previous checkpoint. The RNG state is rank 0's, as in a
-    single process's checkpoint; every rank resumes with it."""
-    rank = torch.distributed.get_rank()
-    tmp = path.with_name(path.name + ".tmp")
-    if rank == 0:  # the files of a save that was killed
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    torch.distributed.barrier(group)  # no rank writes into the directory before rank 0 has emptied it
-    finish = (lambda lines=list(metrics): _publish(tmp, path, step, identity, lines)) if rank == 0 else None
-    return save_sharded(_training_state(policy, critic, actor_opt, critic_opt, rng=rank == 0), tmp, group, finish)
-
-
-def load_checkpoint(path: Path, policy, critic, actor_opt, critic_opt) -> int:
-    """Restore policy, critic, optimizers and RNG from either kind of checkpoint, with any number of ranks;
-    returns the step to continue from."""
-    if is_sharded(path):
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        state = _training_state(policy, critic, actor_opt, critic_opt, rng=True)
-        load_sharded(state, path, [f"{m}.{k}" for m in ("policy", "critic") for k in state[m]] + ["rng"])
-        for name, m, opt, key in (("policy", policy, actor_opt, "actor_opt"), ("critic", critic, critic_opt, "critic_opt")):
-            set_state_dict(parallel.unwrap(m), opt, model_state_dict=state[name], optim_state_dict=state[key])
-        torch.set_rng_state(state["rng"])
-        return json.loads((path / "meta.json").read_text())["step"]
-    parallel.load_full_state_dict(policy, load_tensors(path / "policy.safetensors"))
-    parallel.load_full_state_dict(critic, load_tensors(path / "critic.safetensors"))
-    state = read_state(path)  # mapped: a node's ranks share the file's pages, each copies only the shards it keeps
-    parallel.load_optimizer_state(policy, actor_opt, state["actor_opt"])
-    parallel.load_optimizer_state(critic, critic_opt, state["critic_opt"])
-    torch.set_rng_state(state["torch"])
-    return int(state["step"])
-
-
 def file_identity(path: str | Path | None) -> dict | None:
     """Path as given, and size + modification time of every file (a model rebuilt upstream is another
     model; content hashes of multi-GB models would cost minutes at every start)."""
@@ -182,57 +97,23 @@ def run_identity(cfg: dict, method: str, seed: int, **inputs) -> dict:
     return json.loads(json.dumps(identity, sort_keys=True, default=str))
 
 
-def _flat(node, prefix: str = ""):
-    for k, v in node.items():
-        if isinstance(v, dict) and v:
-            yield from _flat(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
-
-
-def identity_changes(saved: dict, now: dict, show: int = 8) -> list[str]:
-    """'key: saved -> now' for every leaf that differs (at most `show`, then a count)."""
-    a, b = dict(_flat(saved)), dict(_flat(now))
-    keys = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or a[k] != b[k])
-    out = [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in keys[:show]]
-    return out + ([f"... {len(keys)} differences in all"] if len(keys) > show else [])
-
-
-def resume_point(path: Path, identity: dict) -> dict | None:
-    """The checkpoint at `path` to resume ({step, metrics: lines of steps 0..step-1}), None when there is
-    none; ResumeMismatch when it is not of the run `identity` describes."""
-    if not ((path / "state.pt").exists() or is_sharded(path)):
-        return None
-    how = f"delete {path} to train this run from scratch, or restore the settings it was trained with"
-    if not (path / "meta.json").exists():
-        raise ResumeMismatch(f"{path} holds a checkpoint without the identity of its run (written by an older "
-                             f"memopd): it cannot be checked against this run; {how}")
-    meta = json.loads((path / "meta.json").read_text())
-    changes = identity_changes(meta.get("identity") or {}, identity)
-    if changes:
-        raise ResumeMismatch(f"{path} holds a checkpoint of another run; changed since: {'; '.join(changes)}. {how}")
-    lines = (path / "metrics.jsonl").read_text().splitlines() if (path / "metrics.jsonl").exists() else []
-    return {"step": meta["step"], "metrics": lines[: meta["step"]]}
-
-
 def preflight(cfg: dict, run: RunConfig, method: str, seed: int, student_dir, teacher_dir, tasks_path, index_dir,
-              ckpt: Path) -> tuple[dict, dict | None]:
+              harness: Harness) -> dict | None:
     """The refusals of a run, before any model loads (minutes at paper scale): the OPD methods need a
     teacher with the student's tokenizer (OPD compares the two id by id), and a checkpoint is resumed only
-    by its own run. Returns (the run's identity, the checkpoint to resume or None)."""
+    by its own run. Sets the harness's identity; returns the checkpoint to resume or None."""
     taught = method_spec(method).needs_teacher
     if taught and teacher_dir is None:
         raise ValueError(f"method {method!r} needs a teacher")
     if taught:
         check_model_dirs(student_dir, teacher_dir)
-    identity = run_identity(cfg, method, seed, student=student_dir, teacher=teacher_dir if taught else None,
-                            tasks=tasks_path, index=index_dir)
-    resume = resume_point(ckpt, identity)
-    steps = run.steps
-    if resume is not None and resume["step"] > steps:  # train.steps is not part of the identity
-        raise ResumeMismatch(f"{ckpt} is at step {resume['step']}, past train.steps {steps}: its model is not "
-                             f"this run's; delete {ckpt} to train {steps} steps from scratch")
-    return identity, resume
+    harness.identity = run_identity(cfg, method, seed, student=student_dir, teacher=teacher_dir if taught else None,
+                                    tasks=tasks_path, index=index_dir)
+    resume = harness.find()
+    if resume is not None and resume["step"] > run.steps:  # train.steps is not part of the identity
+        raise ResumeMismatch(f"{harness.path} is at step {resume['step']}, past train.steps {run.steps}: its model "
+                             f"is not this run's; delete {harness.path} to train {run.steps} steps from scratch")
+    return resume
 
 
 def task_order(n_tasks: int, steps: int, batch: int, seed: int) -> list[list[int]]:
@@ -287,113 +168,131 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
               tracker=None, log=print) -> list[dict]:
     """Train one (method, seed). `cfg` holds the `train`, `agent` and `rollout` sections.
     `stop_after` ends the process after that many steps of this invocation (tests of resume).
-    Under torchrun (WORLD_SIZE > 1) every rank calls this; only rank 0 writes files and calls `tracker`."""
-    from memopd.agent.protocol import load_tasks
-    from memopd.agent.rollout import rollout
-    from memopd.config import agent_config, rollout_config
-    from memopd.generation.backends import HFBackend, VLLMBackend, make_sampling
-    from memopd.models import DTYPES, load_tokenizer
-    from memopd.retrieval import load_retriever
-
+    Under torchrun (WORLD_SIZE > 1) every rank calls this; only rank 0 writes files and calls `tracker`.
+    Returns the metrics of this invocation's steps."""
     run = RunConfig.from_section(cfg["train"], method, seed)  # refuses a bad section before anything runs
-    ro = rollout_config(cfg)
     out = Path(out_dir)
-    ckpt, metrics_path = out / "checkpoint", out / "metrics.jsonl"
-    identity, resume = preflight(cfg, run, method, seed, student_dir, teacher_dir, tasks_path, index_dir, ckpt)
+    harness = Harness(out / "checkpoint", {}, run.steps, run.checkpoint_every, f"{method} seed {seed}",
+                      keep=run.keep_checkpoint)
+    resume = preflight(cfg, run, method, seed, student_dir, teacher_dir, tasks_path, index_dir, harness)
     device = setup_distributed(run.dist_timeout_min)
     rank, world, _ = dist_info()
-    # sharded checkpoints are written by a background thread with collectives of their own: a group apart from
-    # the training's, so that the two never interleave
-    group = torch.distributed.new_group(backend="gloo", timeout=timedelta(minutes=run.dist_timeout_min)) \
-        if world > 1 else None
+    if world > 1:  # sharded checkpoints are written by a background thread with collectives of their own: a
+        # group apart from the training's, so that the two never interleave
+        harness.group = torch.distributed.new_group(backend="gloo", timeout=timedelta(minutes=run.dist_timeout_min))
     if run.batch_tasks < world:
         raise ValueError(f"train.batch_tasks {run.batch_tasks} < {world} ranks: some rank would get no episode")
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer(student_dir)
-    sampling = make_sampling(ro)
-    sync = None
-    if ro.vllm_engine:  # the engine first: it sizes its memory from what is free
-        from memopd.generation.weight_sync import WeightSync, colocated_llm, sleep_mode
-
-        llm = colocated_llm(student_dir, ro, run.vllm, seed, world)
-        sync = WeightSync(llm, sleep=sleep_mode(run.vllm))
-        backend = VLLMBackend(student_dir, tok, sampling, llm=llm)
-    policy, ref, critic, teacher = build_models(run, method, student_dir, teacher_dir, device, world)
-    actor_opt = torch.optim.AdamW(policy.parameters(), lr=run.lr_actor, weight_decay=0.0)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=run.lr_critic, weight_decay=0.0)
-    # the OPD KL runs over the tokenizer's real ids (heads may be padded beyond them)
-    ppo_cfg = replace(run.ppo, vocab=len(tok))
-    if sync is None:
-        backend = HFBackend(parallel.unwrap(policy), tok, sampling)  # generates inside parallel.gathered
-
-    start, lines = 0, []  # lines: the metrics of every step so far, stored with each checkpoint
+    step = _RunStep.build(cfg, run, method, seed, student_dir, teacher_dir, tasks_path, index_dir, device)
+    harness.parts = [Part("policy", step.policy, "actor_opt", step.actor_opt),
+                     Part("critic", step.critic, "critic_opt", step.critic_opt)]
+    start = harness.resume(resume)
     if resume is not None:
-        start, lines = load_checkpoint(ckpt, policy, critic, actor_opt, critic_opt), resume["metrics"]
         log(f"resuming {method} seed {seed} at step {start}")
+    metrics_path = out / "metrics.jsonl"
     if rank == 0:  # the steps the checkpoint covers, none written after it
-        metrics_path.write_text("".join(line + "\n" for line in lines))
+        metrics_path.write_text("".join(line + "\n" for line in harness.metrics))
+    history: list[dict] = []
 
-    tasks = load_tasks(tasks_path)
-    retriever = load_retriever(index_dir)
-    agent = agent_config(cfg)
-    schedule = task_order(len(tasks), run.steps, run.batch_tasks, seed)  # the same on every rank
-    history, pending = [], None  # pending: a sharded checkpoint being written
-    bar = Progress(f"{method} seed {seed}", run.steps, "steps", start=start, enabled=rank == 0)
-    for step in range(start, run.steps):
+    def run_step(i: int) -> str:
+        m = step(i)
+        history.append(m)
+        harness.metrics.append(json.dumps(m, sort_keys=True))
+        if rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(harness.metrics[-1] + "\n")
+            if tracker is not None:
+                tracker(m, i)
+        return ""
+
+    if harness.loop(start, run_step, stop_after) == run.steps:
+        # in train.dtype (what evaluation and vLLM load); the checkpoint keeps the fp32 master weights
+        export(step.policy, out / "model", step.tok, run.dtype)
+        discard(harness.path, harness.keep)
+    return history
+
+
+@dataclass
+class _RunStep:
+    """One training step: sync the engine's weights (vLLM), roll out this rank's share of the batch, update
+    on the exact packed states (`ppo_update`). Returns the step's metrics."""
+    run: RunConfig
+    method: str
+    seed: int
+    device: torch.device
+    policy: torch.nn.Module
+    ref: torch.nn.Module
+    critic: torch.nn.Module
+    teacher: torch.nn.Module | None
+    actor_opt: torch.optim.Optimizer
+    critic_opt: torch.optim.Optimizer
+    ppo_cfg: object
+    backend: object
+    sync: object  # generation.weight_sync.WeightSync of a vLLM engine, or None (the policy samples)
+    tok: object
+    tasks: list
+    retriever: object
+    agent: object
+    schedule: list[list[int]]
+
+    @classmethod
+    def build(cls, cfg, run: RunConfig, method, seed, student_dir, teacher_dir, tasks_path, index_dir, device):
+        from memopd.agent.protocol import load_tasks
+        from memopd.config import agent_config, rollout_config
+        from memopd.generation.backends import HFBackend, VLLMBackend, make_sampling
+        from memopd.models import load_tokenizer
+        from memopd.retrieval import load_retriever
+
+        ro = rollout_config(cfg)
+        _, world, _ = dist_info()
+        tok = load_tokenizer(student_dir)
+        sampling = make_sampling(ro)
+        sync = backend = None
+        if ro.vllm_engine:  # the engine first: it sizes its memory from what is free
+            from memopd.generation.weight_sync import WeightSync, colocated_llm, sleep_mode
+
+            llm = colocated_llm(student_dir, ro, run.vllm, seed, world)
+            sync = WeightSync(llm, sleep=sleep_mode(run.vllm))
+            backend = VLLMBackend(student_dir, tok, sampling, llm=llm)
+        policy, ref, critic, teacher = build_models(run, method, student_dir, teacher_dir, device, world)
+        actor_opt = torch.optim.AdamW(policy.parameters(), lr=run.lr_actor, weight_decay=0.0)
+        critic_opt = torch.optim.AdamW(critic.parameters(), lr=run.lr_critic, weight_decay=0.0)
+        if sync is None:
+            backend = HFBackend(parallel.unwrap(policy), tok, sampling)  # generates inside parallel.gathered
+        tasks = load_tasks(tasks_path)
+        # the OPD KL runs over the tokenizer's real ids (heads may be padded beyond them)
+        return cls(run, method, seed, device, policy, ref, critic, teacher, actor_opt, critic_opt,
+                   replace(run.ppo, vocab=len(tok)), backend, sync, tok, tasks, load_retriever(index_dir),
+                   agent_config(cfg), task_order(len(tasks), run.steps, run.batch_tasks, seed))
+
+    def __call__(self, step: int) -> dict:
+        from memopd.agent.rollout import rollout
+
+        rank, world, _ = dist_info()
+        run, sync = self.run, self.sync
         t0 = time.perf_counter()
         mine = list(range(rank, run.batch_tasks, world))  # this rank's positions in the batch
-        t_sync = sync.sync(policy) if sync is not None else None
+        t_sync = sync.sync(self.policy) if sync is not None else None
         t1 = time.perf_counter()
         stats: dict = {}
         # hf rollouts: the policy itself samples, whole (gathered if sharded) and in the update's precision
-        with (parallel.gathered(policy) if sync is None else nullcontext()), \
-                (parallel.autocast(device, run.dtype) if sync is None else nullcontext()):
-            episodes = rollout([tasks[schedule[step][i]] for i in mine], backend, tok, retriever, agent,
-                               seed=seed * 1_000_003 + step, progress=False, stats=stats, indices=mine)
+        with (parallel.gathered(self.policy) if sync is None else nullcontext()), \
+                (parallel.autocast(self.device, run.dtype) if sync is None else nullcontext()):
+            episodes = rollout([self.tasks[self.schedule[step][i]] for i in mine], self.backend, self.tok,
+                               self.retriever, self.agent, seed=self.seed * 1_000_003 + step, progress=False,
+                               stats=stats, indices=mine)
         if sync is not None:
             sync.release()
         t2 = time.perf_counter()
-        step_cfg = replace(ppo_cfg, seed=seed * 1_000_003 + step)
-        m = ppo_update(episodes, policy, ref, critic, teacher, actor_opt, critic_opt, step_cfg, ids=mine)
+        step_cfg = replace(self.ppo_cfg, seed=self.seed * 1_000_003 + step)
+        m = ppo_update(episodes, self.policy, self.ref, self.critic, self.teacher, self.actor_opt, self.critic_opt,
+                       step_cfg, ids=mine)
         t3 = time.perf_counter()
         m.update(rollout_metrics(episodes))
-        m.update({"step": step, "method": method, "seed": seed, "world_size": world, "time/rollout_s": t2 - t1,
-                  "time/step_s": t3 - t0})
+        m.update({"step": step, "method": self.method, "seed": self.seed, "world_size": world,
+                  "time/rollout_s": t2 - t1, "time/step_s": t3 - t0})
         if t_sync is not None:
             m["time/sync_s"] = t_sync
         m["tokens_per_s"] = m["tokens/packed"] / max(m["time/update_s"] + m["time/score_s"], 1e-9)
-        history.append(m)
-        done = step + 1
-        lines.append(json.dumps(m, sort_keys=True))
-        if rank == 0:
-            with open(metrics_path, "a") as f:
-                f.write(lines[-1] + "\n")
-            if tracker is not None:
-                tracker(m, step)
-        now = done % run.checkpoint_every == 0 or done == run.steps
-        if pending is not None and (now or pending.ready()):  # the previous one written: rank 0 publishes it
-            pending.complete()
-            pending = None
-        if now and group is None:
-            save_checkpoint(ckpt, done, policy, critic, actor_opt, critic_opt, identity=identity, metrics=lines)
-        elif now:  # every rank writes its part in the background and trains on
-            pending = save_sharded_checkpoint(ckpt, done, policy, critic, actor_opt, critic_opt, group,
-                                              identity=identity, metrics=lines)
-        bar.update(1)
-        if stop_after is not None and done - start >= stop_after:
-            if pending is not None:
-                pending.complete()
-            bar.close()
-            return history
-    bar.close()
-    # exported in train.dtype (what evaluation and vLLM load); the checkpoint keeps the fp32 master weights
-    state = {k: v.to(DTYPES[run.dtype]) for k, v in parallel.full_state_dict(policy).items()}  # collective if sharded
-    if pending is not None:
-        pending.complete()
-    if rank == 0:
-        parallel.unwrap(policy).save_pretrained(out / "model", state_dict=state, safe_serialization=True)
-        tok.save_pretrained(out / "model")
-        if not run.keep_checkpoint:  # resume needs it no more; at paper scale it is ~74 GB
-            shutil.rmtree(ckpt, ignore_errors=True)
-    return history
+        return m
