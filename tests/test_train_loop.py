@@ -107,20 +107,72 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_any_model_loads(setu
     assert not (tmp_path / "run").exists()  # refused before the run started
 
 
+def _train_cli(setup, cfg, out, *extra):
+    """`memopd train` as the rule runs it (memopd.cli.main)."""
+    from memopd.cli import main
+
+    d, _ = setup
+    main(["train", "--cfg", json.dumps(cfg), "--method", "memopd", "--seed", "0", "--student", str(d / "student"),
+          "--teacher", str(d / "teacher"), "--tasks", str(d / "q2_train.parquet"), "--index", str(d / "index"),
+          "--out-dir", str(out), *extra])
+
+
 def test_a_finished_run_deletes_its_checkpoint_unless_kept(setup, tmp_path):
     """Checkpoint retention (a paper-scale checkpoint is ~74 GB): a finished run keeps metrics.jsonl and
-    model/ and deletes checkpoint/ (keep_checkpoint: false, both configs); an interrupted run keeps it, since
-    resume needs it."""
+    model/ and deletes checkpoint/ once the model is exported (keep_checkpoint: false, both configs); an
+    interrupted run keeps it, since resume needs it."""
     d, cfg = setup
     short = {**cfg, "train": {**cfg["train"], "steps": 2, "keep_checkpoint": False}}
-    _run((d, short), tmp_path / "cut", stop_after=1)
+    _train_cli(setup, short, tmp_path / "cut", "--stop-after", "1")
     assert (tmp_path / "cut/checkpoint/state.pt").exists()
-    _run((d, short), tmp_path / "cut")
+    _train_cli(setup, short, tmp_path / "cut")
     assert not (tmp_path / "cut/checkpoint").exists() and (tmp_path / "cut/model/model.safetensors").exists()
     lines = [json.loads(x) for x in (tmp_path / "cut/metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1]
     for name in ("config.yaml", "paper.yaml"):
         assert yaml.safe_load((ROOT / "config" / name).read_text())["train"]["keep_checkpoint"] is False
+
+
+def test_a_failure_after_the_last_step_loses_no_step(setup, tmp_path, monkeypatch):
+    """A tracking store that fails at the end (every write once training is over) costs nothing: the failure is
+    retried, reported and skipped, the model exported. A failure that does end the job after the last step (the
+    export's copy) leaves the checkpoint, and the rerun completes without training a step."""
+    import shutil
+
+    import memopd.tracking as tracking
+    from mlflow.tracking import MlflowClient
+
+    d, cfg = setup
+    short = {**cfg, "train": {**cfg["train"], "steps": 2, "keep_checkpoint": False}}
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracking.init_store(uri, "memopd")
+    monkeypatch.setattr(tracking, "CALL_FIRST_S", 0.0)
+
+    def down(*a, **kw):
+        raise ConnectionError("tracking server unreachable")
+
+    monkeypatch.setattr(MlflowClient, "log_artifact", down)  # the run's last writes: artifact, then its end
+    monkeypatch.setattr(MlflowClient, "set_terminated", down)
+    track = json.dumps({"uri": uri, "experiment": "memopd"})
+    _train_cli(setup, short, tmp_path / "run", "--tracking", track)
+    assert (tmp_path / "run/model/model.safetensors").exists() and not (tmp_path / "run/checkpoint").exists()
+    monkeypatch.undo()
+
+    copies = []
+    monkeypatch.setattr(shutil, "copytree", lambda *a, **kw: copies.append(a) or (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        _train_cli(setup, short, tmp_path / "late", "--export", str(tmp_path / "exported"))
+    assert copies and (tmp_path / "late/checkpoint/state.pt").exists()  # trained, not exported: kept
+    model = load_file(tmp_path / "late/model/model.safetensors")
+    monkeypatch.undo()
+    import memopd.train.loop as loop
+
+    monkeypatch.setattr(loop, "ppo_update", lambda *a, **kw: pytest.fail("the rerun trained a step"))
+    _train_cli(setup, short, tmp_path / "late", "--export", str(tmp_path / "exported"))
+    again = load_file(tmp_path / "exported/model.safetensors")
+    assert all(torch.equal(model[k], again[k]) for k in model)
+    assert not (tmp_path / "late/checkpoint").exists()
+    assert [json.loads(x)["step"] for x in (tmp_path / "late/metrics.jsonl").read_text().splitlines()] == [0, 1]
 
 
 def test_a_finished_run_with_a_kept_checkpoint_reruns_to_a_no_op(setup, tmp_path):

@@ -3,6 +3,7 @@ and `tracking init` (tracking)."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import sys
 from pathlib import Path
@@ -94,6 +95,25 @@ def cmd_tracking_init(args, cfg):
           f"in `mlflow ui`: http://127.0.0.1:5000/{info['ui_path']}")
 
 
+def cmd_tracking_replay(args, cfg):
+    """A run's metrics.jsonl into the store as a new run (the steps a tracking failure left out of MLflow)."""
+    from memopd.tracking import resolve_uri, start_run
+
+    require(cfg, "uri", "experiment")
+    lines = [json.loads(x) for x in Path(args.metrics).read_text().splitlines() if x.strip()]
+    uri = resolve_uri(cfg["uri"], cfg.get("sqlite_in_slurm_jobs", False))
+    first = lines[0] if lines else {}
+    with start_run(uri, cfg["experiment"], args.run_name, {}, stage="train", model=args.run_name,
+                   seed=first.get("seed", -1), tags={"method": first.get("method", ""),
+                                                     "replayed_from": str(Path(args.metrics).resolve())}) as run:
+        for i, m in enumerate(lines):
+            run.log_metrics({k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
+                            m.get("step", i))
+    if run.failures:
+        sys.exit(f"tracking replay: {len(run.failures)} writes failed ({run.failures[0]})")
+    print(f"tracking replay: {len(lines)} steps of {args.metrics} -> run {run.run_id} in {uri}")
+
+
 def register(cli) -> None:
     sp = cli.add("tokenizer", cmd_tokenizer, "train the offline byte-level BPE tokenizer on data/")
     sp.add_argument("--data-dir", default="data")
@@ -115,3 +135,7 @@ def register(cli) -> None:
 
     sp = cli.add("tracking init", cmd_tracking_init, "create the MLflow store and experiment once, before parallel jobs")
     sp.add_argument("--out", required=True, help="JSON record of the store")
+    sp = cli.add("tracking replay", cmd_tracking_replay,
+                 "record a run's metrics.jsonl as a new MLflow run (--cfg: the tracking section)")
+    sp.add_argument("--metrics", required=True, help="a training run's metrics.jsonl")
+    sp.add_argument("--run-name", required=True)

@@ -68,7 +68,6 @@ class Harness:
     total: int  # steps of the run
     every: int  # steps between checkpoints (and one at the last step)
     label: str  # progress label
-    keep: bool = False  # keep the checkpoint once the run is exported (`discard`)
     replace_other: bool = False  # another run's checkpoint: start afresh and replace it (else refuse)
     group: object = None  # a process group of its own: checkpoints sharded, written in the background
     progress: bool = True  # a progress line with the time left (rank 0)

@@ -34,6 +34,9 @@ from pathlib import Path
 
 DEFAULT_URI = "sqlite:///results/mlflow.db"
 _RETRIES = 12  # ~1 minute of back-off in all before a locked write is an error
+# A write during a run: any error is retried for ~1 minute (0.5 s ... 30 s: a tracking server restarting), then
+# reported and skipped, never fatal: the run's metrics stay in its metrics.jsonl (`memopd tracking replay`)
+CALL_TRIES, CALL_FIRST_S, CALL_CAP_S = 8, 0.5, 30.0
 # MLflow 3 UI (server/js): the experiment tag `mlflow.experimentKind` (genai_development |
 # custom_model_development | ...) says the experiment is model training, not a GenAI app.
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
@@ -106,16 +109,17 @@ def git_commit() -> str:
     return head + ("-dirty" if dirty else "")
 
 
-def _retry(fn, *args, transient=("database is locked", "busy"), **kwargs):
-    """Call fn, retrying SQLite lock errors (or other `transient` messages) with exponential back-off
-    (0.05 s ... 5 s)."""
-    for attempt in range(_RETRIES):
+def _retry(fn, *args, transient=("database is locked", "busy"), tries: int = _RETRIES, first_s: float = 0.05,
+           cap_s: float = 5.0, **kwargs):
+    """Call fn, retrying SQLite lock errors (or other `transient` messages; "" matches every error) with
+    exponential back-off (first_s ... cap_s)."""
+    for attempt in range(tries):
         try:
             return fn(*args, **kwargs)
         except Exception as e:  # MlflowException wraps sqlalchemy's OperationalError
-            if attempt == _RETRIES - 1 or not any(s in str(e).lower() for s in transient):
+            if attempt == tries - 1 or not any(s in str(e).lower() for s in transient):
                 raise
-            time.sleep(min(5.0, 0.05 * 2 ** attempt))
+            time.sleep(min(cap_s, first_s * 2 ** attempt))
 
 
 def dataset_entity(path: str | Path, name: str | None = None):
@@ -200,6 +204,20 @@ class Run:
         self.client, self.run_id, self.flush_every = client, run_id, flush_every
         self.ref = ref or {"run_id": run_id}  # what write_ref records
         self._metrics = []
+        self.failures: list[str] = []  # the writes given up on (each reported as it happened)
+
+    def _call(self, what: str, fn, *args, transient=("",), **kwargs):
+        """A write to the store, retried with back-off; given up on with a message, never raised: a tracking
+        failure must not cost the run (its metrics stay in metrics.jsonl)."""
+        try:
+            return _retry(fn, *args, transient=transient, tries=CALL_TRIES, first_s=CALL_FIRST_S, cap_s=CALL_CAP_S,
+                          **kwargs)
+        except Exception as e:
+            first = (str(e).splitlines() or [""])[0][:200]
+            self.failures.append(f"{what}: {type(e).__name__}: {first}")
+            print(f"tracking: {what} failed after {CALL_TRIES} tries ({type(e).__name__}: {first}); the run goes "
+                  "on (`memopd tracking replay` records a run's metrics.jsonl later)", flush=True)
+            return None
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         from mlflow.entities import Metric
@@ -214,19 +232,19 @@ class Run:
 
         items = [Param(k, str(v)) for k, v in params.items()]
         for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-            _retry(self.client.log_batch, self.run_id, params=items[i : i + 100])
+            self._call("log params", self.client.log_batch, self.run_id, params=items[i : i + 100])
 
     def set_tags(self, tags: dict) -> None:
         from mlflow.entities import RunTag
 
-        _retry(self.client.log_batch, self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self._call("set tags", self.client.log_batch, self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_dict(self, obj: dict, name: str) -> None:
         """An artifact `name` (.json or .yaml) holding obj."""
-        _retry(self.client.log_dict, self.run_id, obj, name)
+        self._call(f"log {name}", self.client.log_dict, self.run_id, obj, name)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        _retry(self.client.log_artifact, self.run_id, str(path), artifact_path)
+        self._call(f"log artifact {Path(path).name}", self.client.log_artifact, self.run_id, str(path), artifact_path)
 
     def log_input(self, path: str | Path, context: str, name: str | None = None) -> None:
         """The parquet file `path` as an input dataset of this run (`context`: train, eval, ...)."""
@@ -234,8 +252,7 @@ class Run:
 
         inp = DatasetInput(dataset_entity(path, name), tags=[InputTag("mlflow.data.context", context)])
         # two jobs logging the same new dataset at once: the second insert fails once, then finds it
-        _retry(self.client.log_inputs, self.run_id, datasets=[inp],
-               transient=("database is locked", "busy", "unique constraint", "integrity"))
+        self._call(f"log input {Path(path).name}", self.client.log_inputs, self.run_id, datasets=[inp])
 
     def write_ref(self, *directories: str | Path) -> None:
         """Record this run in `directories` (file RUN_FILE): a job that later evaluates the model saved
@@ -249,7 +266,7 @@ class Run:
     def flush(self) -> None:
         while self._metrics:
             batch, self._metrics = self._metrics[:1000], self._metrics[1000:]
-            _retry(self.client.log_batch, self.run_id, metrics=batch)
+            self._call(f"log {len(batch)} metrics", self.client.log_batch, self.run_id, metrics=batch)
 
 
 @contextmanager
@@ -304,10 +321,8 @@ def start_run(uri: str, experiment: str, run_name: str, config: dict, stage: str
         status = "KILLED"
         raise
     finally:
-        try:
-            run.flush()
-        finally:
-            _retry(client.set_terminated, info.run_id, status)
+        run.flush()
+        run._call(f"end the run ({status})", client.set_terminated, info.run_id, status)
 
 
 class NullRun:

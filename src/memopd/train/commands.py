@@ -15,6 +15,7 @@ def cmd_train(args, cfg):
 
     from memopd.config import agent_config
     from memopd.dist import dist_info, rank_threads
+    from memopd.harness import discard
     from memopd.tracking import NullRun, tracked
     from memopd.train.loop import train_run
 
@@ -46,6 +47,8 @@ def cmd_train(args, cfg):
         shutil.copytree(Path(args.out_dir) / "model", args.export, dirs_exist_ok=True)
     # the run's id beside the metrics and in the exported model: its evaluations become child runs
     run.write_ref(args.out_dir, *([args.export] if args.export and Path(args.export).exists() else []))
+    if (Path(args.out_dir) / "model").exists():  # exported and recorded: only now is the checkpoint let go
+        discard(Path(args.out_dir) / "checkpoint", cfg["train"].get("keep_checkpoint", False))
     if hist:
         last = hist[-1]
         print(f"{args.method} seed {args.seed}: step {last['step'] + 1} reward/f1 {last['reward/f1']:.3f} "

@@ -25,7 +25,9 @@ Files in the run directory:
                        (torch.save of tensors only, read back memory-mapped with weights_only=True); under a
                        process group the same state sharded (torch.distributed.checkpoint: __<rank>_0.distcp
                        per rank, .metadata); meta.json: the step and the run's identity (`run_identity`);
-                       metrics.jsonl: the steps before it
+                       metrics.jsonl: the steps before it. Written every train.checkpoint_every steps and at
+                       the last (memopd.harness); `memopd train` deletes it once the model is exported and the
+                       run recorded (unless train.keep_checkpoint), so a failure up to then costs no step
   model/               the final policy (safetensors + tokenizer), evaluated like any model
 
 Resume: a run finds checkpoint/ and continues from its step, only if the checkpoint is of this very run
@@ -50,7 +52,7 @@ import torch
 
 from memopd import parallel
 from memopd.dist import dist_info, gather, setup_distributed
-from memopd.harness import Harness, Part, ResumeMismatch, discard, export
+from memopd.harness import Harness, Part, ResumeMismatch, export
 from memopd.methods import method as method_spec
 from memopd.train.config import RunConfig
 from memopd.train.ppo import ValueModel, ppo_update
@@ -172,8 +174,7 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     Returns the metrics of this invocation's steps."""
     run = RunConfig.from_section(cfg["train"], method, seed)  # refuses a bad section before anything runs
     out = Path(out_dir)
-    harness = Harness(out / "checkpoint", {}, run.steps, run.checkpoint_every, f"{method} seed {seed}",
-                      keep=run.keep_checkpoint)
+    harness = Harness(out / "checkpoint", {}, run.steps, run.checkpoint_every, f"{method} seed {seed}")
     resume = preflight(cfg, run, method, seed, student_dir, teacher_dir, tasks_path, index_dir, harness)
     device = setup_distributed(run.dist_timeout_min)
     rank, world, _ = dist_info()
@@ -208,8 +209,8 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
 
     if harness.loop(start, run_step, stop_after) == run.steps:
         # in train.dtype (what evaluation and vLLM load); the checkpoint keeps the fp32 master weights
-        export(step.policy, out / "model", step.tok, run.dtype)
-        discard(harness.path, harness.keep)
+        export(step.policy, out / "model", step.tok, run.dtype)  # the checkpoint stays: `memopd train` lets it
+        # go once the model is exported and the run recorded, so a failure up to then loses no step
     return history
 
 
