@@ -490,3 +490,34 @@ def test_plan_resolves_auto_to_the_path_training_runs():
     assert resolve_backend(m, "auto", gpu=False, ckpt=True, dtype="float32", q=300, calls=6, own=250) != "prefix_shared"
     assert resolve_backend(m, "auto", gpu=True, ckpt=True, dtype="bfloat16", q=300, calls=6, own=250) == "flex"
     assert resolve_backend(m, "sdpa", gpu=False, ckpt=False, dtype="float32", q=300, calls=6, own=250) == "sdpa"
+
+
+def test_model_loading_host_memory_by_hand():
+    """Loading (models.load_model): each tensor goes from the mapped safetensors file to its rank's GPU, so a node
+    holds the file's pages once and no rank a host copy: the 7B teacher's SFT on 8 ranks needs P_T x 4 B once (30.5
+    GB), where building the fp32 model in host memory on every rank needed 8 x P_T x 4 B (~244 GB). The load
+    phase stays below each job's steady host peak."""
+    from memopd.plan import plan
+
+    jobs = {j.name: j for j in plan(_cfg(), {"train", "sft_train"})}
+    s, t = jobs["sft_train[teacher]"], jobs["train"]
+    assert sum(v for v, _ in s.host_phases["load"].values()) == pytest.approx(P7 * 4)
+    assert sum(v for v, _ in t.host_phases["load"].values()) == pytest.approx(P3 * 4)
+    assert "no host copy per rank" in s.host_phases["load"]["model file pages (mapped, shared by the node's ranks)"][1]
+    for job in (s, t):
+        assert sum(v for v, _ in job.host_phases["load"].values()) + job.host["processes"][0] <= job.host_peak()
+
+
+def test_load_model_places_the_weights_in_their_dtype_without_a_float32_copy(tmp_path):
+    """load_model in bf16 gives bf16 parameters from the file directly (every tensor bf16, none fp32 in between
+    that the caller would hold), on the device asked."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from memopd.models import load_model
+
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    m = load_model(tmp_path, dtype="bfloat16", device="cpu")
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16} and {p.device.type for p in m.parameters()} == {"cpu"}
+    assert not m.training

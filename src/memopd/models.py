@@ -185,11 +185,13 @@ def default_device() -> str:
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", offline: bool = True,
                attn_implementation: str = "sdpa"):
-    """Load a causal LM from a directory or hub name (safetensors only)."""
+    """Load a causal LM from a directory or hub name (safetensors only), in `dtype`, straight onto `device`: each
+    tensor goes from the mapped file (page cache, shared by a node's ranks) to the device, so no rank builds a
+    whole copy in host memory first (8 ranks x a 7B teacher in fp32 would be ~240 GB)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=DTYPES[dtype], local_files_only=offline, use_safetensors=True,
-        attn_implementation=attn_implementation,
+        attn_implementation=attn_implementation, device_map=None if str(device) == "cpu" else str(device),
     )
-    return model.to(device).eval()
+    return model.to(device).eval()  # a no-op where device_map placed it

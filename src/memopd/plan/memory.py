@@ -95,6 +95,9 @@ S ways a model is sharded (W under FSDP, else 1), G = plan.gpu_memory_gb.
                                                       of the sharded checkpoint, one tensor at a time);
                        P * 12                         SFT: both mapped (checkpoint.read_state), one copy; a
                                                       resume holds nothing else yet (the index loads after it)
+  load (host)          P * 4                          the loaded model's safetensors pages, once per node:
+                                                      models.load_model puts each tensor on its rank's GPU
+                                                      from the mapped file, no host copy per rank
 
 Sequence bounds come from the limits, not from typical lengths (a plan that holds for the worst episode the
 config allows): a call's input is q + the rule's context (capped by agent.max_input_tokens, beyond which the

@@ -100,8 +100,17 @@ def _train_load(job: Job, cfg: dict, pol: Spec, s: int) -> None:
         util = cfg["train"].get("vllm", {}).get("gpu_memory_utilization", 0.9)
         job.add("load", "vLLM engine", util * job.gpu_limit, f"gpu_memory_utilization {util} x {job.gpu_limit / GB:.0f} GB")
     job.add("load", "policy (fp32, whole)", pol.params * 4, f"P {pol.params:,} x 4 B (load_model)")
+    _host_load(job, pol)
     job.add("load", "reference (fp32)", pol.params * 4 / s, f"P x 4 B / {s} (deepcopy, then sharded)")
     job.add("load", "critic's copy (fp32, whole)", pol.params * 4, "P x 4 B (deepcopy, all layers, before its shard)")
+
+
+def _host_load(job: Job, m: Spec) -> None:
+    """Host memory while a node's ranks load a model (models.load_model): every tensor goes from the mapped
+    safetensors file to its GPU, so the node holds the file's pages once (shared page cache, fp32 as the SFT
+    exports it) and no rank a host copy of the model."""
+    job.add_host("load", "model file pages (mapped, shared by the node's ranks)", m.params * 4,
+                 f"P {m.params:,} x 4 B once per node (load_model: file -> GPU, no host copy per rank)")
 
 
 def _train_wake(job: Job, pol: Spec) -> None:
@@ -158,6 +167,7 @@ def _sft_job(cfg: dict, rule: str, role: str, seq_len: int) -> Job:
     if job.gpus and s > 1:  # sft/commands: every rank loads the fp32 model whole, then shards it (sft/trainer)
         _common(job, cfg, "load")
         job.add("load", "model (fp32, whole)", m.params * 4, "P x 4 B, before fully_shard")
+        _host_load(job, m)
     if job.gpus:  # copied off the GPU to be written
         job.host["checkpoint"] = (m.params * 12, "P x (4 + 8) B: model + AdamW state serialised by rank 0")
         # resume (sft/trainer.load_sharded_checkpoint): weights and state mapped (checkpoint.read_state), the page
