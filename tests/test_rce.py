@@ -56,6 +56,32 @@ def test_flex_attention_forward_is_exact(tiny_lm):
     assert r["max_abs_dlogp"] <= TOL and r["max_abs_dlogit"] <= TOL and r["top1_agreement"] == 1.0 and r["passed"]
 
 
+def test_auto_takes_flex_for_a_bounded_number_of_compiled_pack_lengths(tiny_lm, monkeypatch):
+    """flex compiles a kernel per pack length; past the bound `auto` leaves it out for a new length (a path
+    without L x L scores instead) and keeps it for a length already compiled. The compiles are counted by
+    Dynamo, here on CPU with a bound of 2."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from memopd import attention
+    from memopd.packing import pack
+
+    monkeypatch.setattr(attention, "FLEX_SHAPES", 2)
+    monkeypatch.setattr(attention, "_flex_lengths", set())
+    torch._dynamo.reset()
+    packs = [pack(_episodes(seed, "summary_replacement", 3, n=1)) for seed in (21, 22, 24, 25)]
+    packs = list({len(p): p for p in packs}.values())[:3]  # three lengths
+    assert len({len(p) for p in packs}) == 3
+    paths = ["segmented", "prefix_shared", "calls", "flex", "sdpa"]
+    graphs = counters["stats"]["unique_graphs"]
+    for p in packs[:2]:
+        assert attention.bounded(paths, len(p)) == paths  # under the bound: flex stays a candidate
+        with torch.no_grad():
+            attention.packed_logits(tiny_lm, p, "flex")
+    assert counters["stats"]["unique_graphs"] - graphs >= 2  # a compile per new length
+    assert "flex" not in attention.bounded(paths, len(packs[2])) and attention.bounded(paths, len(packs[0])) == paths
+
+
 def _sum_logprob_grads(model, fn):
     model.zero_grad(set_to_none=True)
     fn().sum().backward()

@@ -243,9 +243,25 @@ def model_dims(model) -> cost.Dims:
                                getattr(c, "head_dim", None))
 
 
+# flex compiles a kernel per pack length (torch.compile, static shapes). Past Dynamo's recompile limit (8 by
+# default) transformers' compiled flex falls back to eager, which materialises L x L scores (~8.5 GB a layer call
+# at 16k tokens x 16 heads in bf16): `auto` takes flex only for lengths it has compiled or while fewer than
+# FLEX_SHAPES are, and otherwise a path without L x L scores.
+FLEX_SHAPES = 8
+_flex_lengths: set[int] = set()  # pack lengths flex has run on in this process (each a compiled kernel)
+
+
+def bounded(paths: list[str], length: int) -> list[str]:
+    """`paths` less flex when a pack of `length` tokens would compile a shape beyond FLEX_SHAPES."""
+    if length in _flex_lengths or len(_flex_lengths) < FLEX_SHAPES:
+        return paths
+    return [p for p in paths if p != "flex"]
+
+
 def candidates(model, packed: Packed) -> list[str]:
-    """The exact paths `auto` may run `packed` on with `model` (memopd.cost.candidates)."""
-    return cost.candidates(packed.block_calls, recomputes_activations(model), next(model.parameters()).device.type)
+    """The exact paths `auto` may run `packed` on with `model` (memopd.cost.candidates, flex bounded)."""
+    paths = cost.candidates(packed.block_calls, recomputes_activations(model), next(model.parameters()).device.type)
+    return bounded(paths, len(packed))
 
 
 def choose_backend(model, packed: Packed) -> str:
@@ -286,6 +302,7 @@ def packed_hidden(model, packed: Packed, backend: str, index: torch.Tensor | Non
         if dev.type == "cpu":
             _prepare_flex_cpu()
         mask = flex_block_mask(packed, device=dev)
+        _flex_lengths.add(len(packed))
     else:  # posids_no_mask: the documented trap, kept as a negative control
         mask = None
     with attn_impl(model, _IMPL[backend]):
