@@ -59,3 +59,31 @@ def test_each_rank_of_a_node_takes_its_share_of_the_jobs_threads(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_faiss_takes_the_ranks_share_of_threads_too():
+    """faiss-cpu's OpenMP pool is its own when faiss loads first (torch.set_num_threads does not reach it): a rank
+    would search a 64.6 GB index with all of the node's cores."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import faiss, torch\nfrom memopd.dist import rank_threads\nrank_threads(32)\n"
+            "print(torch.get_num_threads(), faiss.omp_get_max_threads())")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "LOCAL_WORLD_SIZE": "4"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["8", "8"]
+
+
+def test_every_step_runs_with_expandable_segments_unless_the_site_sets_otherwise():
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, memopd.cli; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "expandable_segments:True"
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:512"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "max_split_size_mb:512"

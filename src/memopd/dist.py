@@ -42,9 +42,15 @@ def setup_distributed(timeout_min: float = TIMEOUT_MIN) -> torch.device:
 def rank_threads(threads: int | None) -> None:
     """Give this rank its share of the job's `threads` CPUs (0 or None: torch's default). Snakemake exports
     OMP_NUM_THREADS = the job's threads and torchrun keeps it, so without this every rank of a node would run
-    that many threads on the same CPUs."""
+    that many threads on the same CPUs (torch's and faiss's pools: 4 ranks x 32 threads over a 64.6 GB index)."""
     if threads:
-        torch.set_num_threads(max(1, threads // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        n = max(1, threads // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        torch.set_num_threads(n)
+        try:  # faiss-cpu has its own OpenMP pool, which torch's setting does not reach
+            import faiss
+        except ImportError:
+            return
+        faiss.omp_set_num_threads(n)
 
 
 def world_size() -> int:
