@@ -33,6 +33,15 @@ def one_worker_at_a_time(request):
         yield
 
 
+@pytest.fixture(autouse=True)
+def cpu_unless_gpu_marked(request, monkeypatch):
+    """Tests not marked `gpu` run on the CPU even where CUDA is visible (their multi-rank ones use gloo, as
+    their expected figures assume): MEMOPD_DEVICE=cpu, inherited by the processes they spawn."""
+    if "gpu" not in request.node.keywords:
+        monkeypatch.setenv("MEMOPD_DEVICE", "cpu")
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_lm():
     """A random-init tiny Qwen2 (the Qwen2.5 architecture) in fp32: exactness needs no training."""

@@ -87,3 +87,17 @@ def test_every_step_runs_with_expandable_segments_unless_the_site_sets_otherwise
     env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:512"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "max_split_size_mb:512"
+
+
+def test_memopd_device_cpu_keeps_a_process_off_a_visible_gpu(monkeypatch):
+    """Where CUDA is visible, setup_distributed takes the rank's GPU (NCCL) unless MEMOPD_DEVICE=cpu, which the
+    CPU tests set so that their gloo ranks stay on the CPU of a GPU node. CUDA is faked visible here."""
+    from memopd import dist
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("MEMOPD_DEVICE", "cpu")
+    assert dist.setup_distributed() == torch.device("cpu") and chosen == []
+    monkeypatch.delenv("MEMOPD_DEVICE")
+    assert dist.setup_distributed() == torch.device("cuda", 0) and chosen == [0]

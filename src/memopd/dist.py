@@ -27,9 +27,10 @@ TIMEOUT_MIN = 60
 
 def setup_distributed(timeout_min: float = TIMEOUT_MIN) -> torch.device:
     """Initialise the process group under torchrun (nccl on GPUs, gloo on CPUs) and return this rank's device;
-    a collective that waits longer than `timeout_min` minutes aborts the job."""
+    a collective that waits longer than `timeout_min` minutes aborts the job. MEMOPD_DEVICE=cpu keeps a process
+    on the CPU (gloo) where CUDA is visible: CPU runs and tests on a GPU node."""
     _, world, local = dist_info()
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and os.environ.get("MEMOPD_DEVICE", "") != "cpu":
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
