@@ -109,9 +109,9 @@ def cmd_tracking_replay(args, cfg):
         for i, m in enumerate(lines):
             run.log_metrics({k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
                             m.get("step", i))
-    if run.failures:
-        sys.exit(f"tracking replay: {len(run.failures)} writes failed ({run.failures[0]})")
     print(f"tracking replay: {len(lines)} steps of {args.metrics} -> run {run.run_id} in {uri}")
+    if run.failures:  # a replay is the last chance to record them: a failed write fails the command
+        sys.exit(f"tracking replay: {len(run.failures)} writes failed ({run.failures[0]})")
 
 
 def register(cli) -> None:
