@@ -41,9 +41,14 @@ def test_a_gpu_that_no_interpreter_can_use_fails_the_check(tmp_path):
 
 
 def test_the_one_rank_fsdp_check_passes_on_gloo():
+    import socket
+
+    with socket.socket() as s:  # a free port for its process group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     r = subprocess.run([sys.executable, str(REPO / "tests/gpu/fsdp_one_rank.py")], cwd=REPO, capture_output=True,
                        text=True, timeout=300, check=False, env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
-                                                                 "MASTER_PORT": "29547"})
+                                                                 "MASTER_PORT": str(port)})
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert [x.split(":")[0] for x in lines if x.startswith(("ok", "FAIL"))] == [
