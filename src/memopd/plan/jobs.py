@@ -87,6 +87,9 @@ def _common(job: Job, cfg: dict, phase: str) -> None:
     if job.gpus:
         c = _plan(cfg)["cuda_context_gb"]
         job.add(phase, "CUDA context", c * GB, f"plan.cuda_context_gb {c}")
+    if job.gpus > 1:  # NCCL's own buffers of the job's process group (not the tensors it moves)
+        n = _plan(cfg)["nccl_gb"]
+        job.add(phase, "NCCL buffers", n * GB, f"plan.nccl_gb {n}")
 
 
 def _retriever(job: Job, cfg: dict, copies: int = 1, building: bool = False) -> None:

@@ -95,6 +95,8 @@ S ways a model is sharded (W under FSDP, else 1), G = plan.gpu_memory_gb.
                                                       of the sharded checkpoint, one tensor at a time);
                        P * 12                         SFT: both mapped (checkpoint.read_state), one copy; a
                                                       resume holds nothing else yet (the index loads after it)
+  NCCL buffers         plan.nccl_gb                   every phase of a job of several GPUs: NCCL's own buffers
+  vLLM asleep          plan.vllm_asleep_gb            scoring and update with sleep mode: what sleep keeps
   load (host)          P * 4                          the loaded model's safetensors pages, once per node:
                                                       models.load_model puts each tensor on its rank's GPU
                                                       from the mapped file, no host copy per rank

@@ -8,7 +8,8 @@ from pathlib import Path
 
 GB = 1e9
 BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "auto": 2}
-DEFAULTS = {"gpu_memory_gb": 80, "disk_gb": 1000, "process_gb": 4.0, "cuda_context_gb": 1.0, "prompt_tokens": 512,
+DEFAULTS = {"gpu_memory_gb": 80, "disk_gb": 1000, "process_gb": 4.0, "cuda_context_gb": 1.0, "nccl_gb": 0.5,
+            "vllm_asleep_gb": 1.0, "prompt_tokens": 512,
             "observation_overhead": 64, "models": {}, "corpus": None}
 
 

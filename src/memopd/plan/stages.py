@@ -36,6 +36,9 @@ def plan_train(cfg: dict) -> list[Job]:
     if engine.vllm_engine:
         for ph in ("rollout",) if sleeping else ("rollout", "scoring", "update"):
             _vllm(job, cfg, ph, pol, v.get("gpu_memory_utilization", 0.9), engine.vllm.get("max_model_len", 16384))
+        for ph in ("scoring", "update") if sleeping else ():  # what sleep mode does not free (CUDA graphs, its pool)
+            a = _plan(cfg)["vllm_asleep_gb"]
+            job.add(ph, "vLLM asleep", a * GB, f"plan.vllm_asleep_gb {a}")
     else:  # hf: the policy itself generates, gathered whole when sharded
         _rollouts(job, cfg, "rollout", pol, t["benchmark"], ro["max_new_tokens"], local, weights=False)
         if s > 1:
