@@ -713,3 +713,23 @@ def test_memopd_self_distils_from_the_sft_student_itself(setup, tmp_path):
     assert first("memopd", d / "teacher", "other")["opd/loss"] > 1e-3
     with pytest.raises(ValueError, match="needs a teacher"):
         first("memopd_self", None, "none")
+
+
+def test_each_step_samples_with_its_own_seed_the_same_for_every_method(setup, tmp_path, monkeypatch):
+    """The rollout of step s samples with seed * 1,000,003 + s: a new seed each step, the same for every method
+    with the same seed (the real rollout runs; its seed argument is recorded)."""
+    import importlib
+
+    rollout_module = importlib.import_module("memopd.agent.rollout")  # the module (memopd.agent exports the function)
+    real, seen = rollout_module.rollout, []
+
+    def spy(*a, seed=None, **kw):
+        seen.append(seed)
+        return real(*a, seed=seed, **kw)
+
+    monkeypatch.setattr(rollout_module, "rollout", spy)
+    d, cfg = setup
+    short = {**cfg, "train": {**cfg["train"], "steps": 2}}
+    for method in ("ppo", "memopd"):
+        _run((d, short), tmp_path / method, method=method)
+    assert seen == [0, 1, 0, 1]
