@@ -225,7 +225,8 @@ def test_fsdp_bf16_first_ratio_is_exactly_one(tmp_path):
 
 def test_the_engine_wakes_up_after_the_allocators_cache_is_freed(monkeypatch):
     """Sleep mode: the update's peak stays reserved by PyTorch's caching allocator until empty_cache(); vLLM's
-    wake-up allocates through the driver, so the cache must be emptied first, then the weights loaded."""
+    wake-up allocates through the driver, so the cache must be emptied first. The engine sleeps at level 2 (the
+    sync overwrites every weight: no host copy), wakes its weights, takes the policy's, and only then its KV cache."""
     from types import SimpleNamespace
 
     from memopd.generation.weight_sync import WeightSync
@@ -235,7 +236,8 @@ def test_the_engine_wakes_up_after_the_allocators_cache_is_freed(monkeypatch):
     runner = SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(
         model=model))))
     llm = SimpleNamespace(llm_engine=SimpleNamespace(model_executor=runner),
-                          sleep=lambda level: calls.append(("sleep", level)), wake_up=lambda: calls.append("wake_up"),
+                          sleep=lambda level: calls.append(("sleep", level)),
+                          wake_up=lambda tags=None: calls.append(("wake_up", tags)),
                           reset_prefix_cache=lambda: calls.append("reset_prefix_cache"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no GPU here: the engine and the allocator are fakes
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
@@ -247,8 +249,10 @@ def test_the_engine_wakes_up_after_the_allocators_cache_is_freed(monkeypatch):
     sync.sync(policy)  # awake: no wake-up, no cache to free
     sync.release()
     sync.sync(policy)
-    assert calls == [("load_weights", 2), "reset_prefix_cache", ("sleep", 1),
-                     "gc.collect", "empty_cache", "wake_up", ("load_weights", 2), "reset_prefix_cache"]
+    sync.sync(policy)  # awake again: nothing to wake
+    assert calls == [("load_weights", 2), "reset_prefix_cache", ("sleep", 2),
+                     "gc.collect", "empty_cache", ("wake_up", ["weights"]), ("load_weights", 2),
+                     ("wake_up", ["kv_cache"]), "reset_prefix_cache", ("load_weights", 2), "reset_prefix_cache"]
 
 
 def test_the_update_metrics_are_batch_means_by_hand():

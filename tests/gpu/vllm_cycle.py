@@ -10,26 +10,30 @@ import sys
 MODEL = os.environ.get("GPU_CHECK_MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
 
 
-def cycle(llm, sync, policy, gb: float, empty: bool) -> str:
+def cycle(llm, sync, policy, gb: float, empty: bool) -> tuple[str, str]:
     """Sleep, allocate and free `gb` GB as an update would, then wake and sync: through WeightSync.sync (its
     empty_cache first) or, `empty` False, waking directly."""
     import torch
 
     from memopd.generation.weight_sync import engine_model, policy_weights
 
-    sync.release()  # sleep level 1
+    sync.release()  # sleep level 2: the weights are dropped, so the text generated below shows the sync's weights
     block = torch.empty(int(gb * 1e9), dtype=torch.uint8, device="cuda")
     block.fill_(1)
     del block
     reserved = torch.cuda.memory_reserved() / 1e9
     if empty:
-        sync.sync(policy)  # free_cached_memory, wake_up, load_weights
+        sync.sync(policy)  # free_cached_memory, wake the weights, load_weights, wake the KV cache
     else:
-        llm.wake_up()
-        sync.asleep = False
+        llm.wake_up(tags=["weights"])
         engine_model(llm).load_weights(weights=policy_weights(policy))
-    out = llm.generate(["The capital of France is"], use_tqdm=False)[0].outputs[0].text
-    return f"{'with' if empty else 'without'} empty_cache: {reserved:.1f} GB reserved at wake-up, generated {out!r:.30}"
+        llm.wake_up(tags=["kv_cache"])
+        sync.asleep = False
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    out = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0].text
+    return f"{'with' if empty else 'without'} empty_cache: {reserved:.1f} GB reserved at wake-up, generated {out!r:.30}", out
 
 
 def main() -> int:
@@ -53,9 +57,13 @@ def main() -> int:
     sync = WeightSync(llm, sleep=True)
     policy = AutoModelForCausalLM.from_pretrained(path, torch_dtype="float32").cuda()
     gb = float(os.environ.get("GPU_CHECK_ALLOC_GB", "60"))
-    print(cycle(llm, sync, policy, gb, empty=True), flush=True)
+    line, out = cycle(llm, sync, policy, gb, empty=True)
+    print(line, flush=True)
+    if "Paris" not in out:  # level 2 dropped the weights: only the sync's can have written this answer
+        print("FAIL: after sleep level 2 and the sync the engine does not answer with the policy's weights")
+        return 1
     try:
-        print(cycle(llm, sync, policy, gb, empty=False), flush=True)
+        print(cycle(llm, sync, policy, gb, empty=False)[0], flush=True)
         without = "without empty_cache: woke too"
     except Exception as e:  # the failure free_cached_memory exists for
         without = f"without empty_cache: {type(e).__name__}: {str(e)[:80]}"

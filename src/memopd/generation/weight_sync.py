@@ -12,7 +12,7 @@ through another process.
     sync = WeightSync(llm, sleep=sleep_mode(run.vllm))
     sync.sync(policy)      # before every rollout: the engine samples with the current policy
     ... VLLMBackend(..., llm=llm) rollouts ...
-    sync.release()         # optional: free the engine's GPU memory during the update (sleep mode)
+    sync.release()         # optional: free the engine's GPU memory during the update (sleep mode, level 2)
 
 What must be exact is the record of sampled tokens: PPO's pi_old is re-scored by the trainer on the
 exact packed states (after the RCE guard), not taken from the engine, so the engine's bf16 log-probs
@@ -99,9 +99,11 @@ class WeightSync:
         t0 = time.perf_counter()
         if self.asleep:
             free_cached_memory()  # before the engine takes its share back
-            self.llm.wake_up()
-            self.asleep = False
+            self.llm.wake_up(tags=["weights"])  # the KV cache after the load: the gathered tensor never sits beside it
         engine_model(self.llm).load_weights(weights=policy_weights(policy))
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         # cached prefixes hold keys/values computed with the old weights: a hit would sample off-policy
         self.llm.reset_prefix_cache()
         if torch.cuda.is_available():
@@ -109,8 +111,9 @@ class WeightSync:
         return time.perf_counter() - t0
 
     def release(self) -> None:
-        """Sleep mode: offload the engine's weights and drop its KV cache until the next sync, leaving
-        the GPU memory to the update (level 1: the weights are restored, then overwritten by the sync)."""
+        """Sleep mode: drop the engine's weights and KV cache until the next sync, leaving the GPU memory to the
+        update. Level 2 (vLLM's choice for weight updates, docs "Sleep Mode"): the sync overwrites every weight, so
+        none is copied to host memory and back as level 1 would; the model's buffers (rotary tables) are kept."""
         if self.sleep and not self.asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self.asleep = True

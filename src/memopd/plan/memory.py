@@ -90,6 +90,9 @@ S ways a model is sharded (W under FSDP, else 1), G = plan.gpu_memory_gb.
                                                       the scoring / update peak stays reserved
   sync tensor          V * h * 4                      a sync gathers one whole fp32 tensor at a time (the
                                                       largest: the embedding)
+  vLLM weights         P * 2                          at the wake-up from sleep (level 2: the weights were
+                                                      dropped, no host copy): the engine's weights wake
+                                                      first, the sync writes them, then its KV cache wakes
   resume (host)        (P + P_c) * 12 (+ W*2*V*h*4/S) train: the checkpoint's files cached once per node
                                                       (one process: mapped; W > 1: each rank reads its pieces
                                                       of the sharded checkpoint, one tensor at a time);

@@ -77,8 +77,7 @@ def plan_train(cfg: dict) -> list[Job]:
                                           f"{w} ranks x (P + P_critic) x (4 + 8) B / {s}, held while written")
     elif job.gpus:  # one process: whole fp32 policy + critic and AdamW's state on the CPU
         job.host["checkpoint gather"] = ((pol.params + pc) * 12, "1 ranks x (P + P_critic) x 4 B + (P + P_critic) x 8 B")
-    if sleeping:
-        job.host["vLLM sleep offload"] = (w * pol.weights("bfloat16"), f"{w} x P x 2 B (sleep level 1)")
+    if sleeping:  # level 2: the weights are dropped, not copied to host memory (the sync rewrites them)
         _train_wake(job, pol)
     if job.gpus:
         _train_load(job, cfg, pol, s)
@@ -118,12 +117,15 @@ def _host_load(job: Job, m: Spec) -> None:
 
 def _train_wake(job: Job, pol: Spec) -> None:
     """The engine's wake-up before a rollout (weight_sync.WeightSync.sync): what lives through the step, the
-    allocator's reserve, the engine's share, and the one whole tensor a sync gathers at a time (the largest:
-    the embedding, fp32). `free_cached_memory` (empty_cache) runs first, so the allocator keeps only segments
-    that hold live tensors: assumed to hold no freed block beside them (no fragmentation); without it the
-    allocator would keep the scoring / update peak's reserve, stated in the formula."""
+    allocator's reserve, the engine's weights (woken first; its KV cache only after the load) and the one whole
+    tensor a sync gathers at a time (the largest: the embedding, fp32). `free_cached_memory` (empty_cache) runs
+    first, so the allocator keeps only segments that hold live tensors: assumed to hold no freed block beside
+    them (no fragmentation); without it the allocator would keep the scoring / update peak's reserve, stated in
+    the formula. The rollout phase holds the engine's whole share after the wake-up."""
     for term, value in job.phases["rollout"].items():
-        job.phases.setdefault("wake-up", {})[term] = value
+        if term != "vLLM engine":
+            job.phases.setdefault("wake-up", {})[term] = value
+    job.add("wake-up", "vLLM weights (woken first)", pol.weights("bfloat16"), "P x 2 B (the KV cache wakes after the sync)")
     live = {k: v for k, (v, _) in job.phases["rollout"].items() if k != "vLLM engine"}
     held = max(sum(v for v, _ in job.phases[ph].values()) for ph in ("scoring", "update")) - sum(live.values())
     job.add("wake-up", "allocator reserve beyond live tensors", 0.0,
