@@ -284,6 +284,10 @@ def test_design_check_applies_each_threshold_at_its_edge(tmp_path):
     _evaluation(other / "eval/teacher_sft/q8_test", [v + 0.2 for v in student_q8], 0.5)
     got = {c.name: c.passed for c in dc.go_no_go(res, "q2_test", "q8_test", other)}
     assert all(got.values())
+    # the no-go branch: a horizon enters when its student's F1 interval is above 0; one 0.3 among zeros is not
+    assert dc.student_above_zero(other, "q8_test").passed
+    _evaluation(other / "eval/student_sft/q8_test", [0.3] + [0.0] * 39, 0.5)
+    assert not dc.student_above_zero(other, "q8_test").passed
     # persistent flattening: mean difference 0.019 passes, 0.021 fails (the same tasks, by hand)
     _evaluation(tmp_path / "flat/q2_test", [v - 0.019 for v in teacher], 1.0)
     got = {c.name: c.passed for c in dc.both_states(res, tmp_path / "flat", "q2_test")}

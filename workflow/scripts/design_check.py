@@ -6,7 +6,8 @@ from a dev run's evaluations (RESULTS/eval/{model}/{benchmark}.json and its per-
   above 0);
 - the teacher that knows both states (`--persistent DIR`: the teacher's evaluation with `agent.view: persistent`,
   written by workflow/scripts/flattened_eval.py): its F1 on the persistent flattening minus its F1 on its own
-  states within +-0.02 (the mean over the same tasks), and above the student's on both.
+  states within +-0.02 (the mean over the same tasks), and above the student's on both;
+- for a no-go (Design B's rule): each horizon's SFT student F1 with its 95% BCa interval over tasks, above 0 or not.
 
     python workflow/scripts/design_check.py --results results/study_dev/results \
         [--short q2_test] [--long q8_test] [--long-results DIR] [--persistent /tmp/flattened/teacher_sft]
@@ -67,6 +68,15 @@ def go_no_go(results: Path, short: str, long: str, long_results: Path | None = N
     ]
 
 
+def student_above_zero(results: Path, bench: str) -> Condition:
+    """The no-go branch's horizon rule: a horizon enters the study when its SFT student's F1 has a 95% BCa interval
+    over the dev tasks above 0."""
+    _, f1 = _eval(results / "eval" / "student_sft" / bench)
+    pt = paired_over_tasks(dict.fromkeys(f1, 0.0), f1)
+    return Condition(f"student F1 on {bench} above 0", f"{pt['diff']:.3f} [{pt['ci_low']:+.3f}, {pt['ci_high']:+.3f}] "
+                     f"over {pt['tasks']} tasks", pt["ci_low"] > 0)
+
+
 def both_states(results: Path, persistent: Path, short: str) -> list[Condition]:
     """The teacher acting on the persistent flattening against its own states and against the student."""
     t_own, f_own = _eval(results / "eval" / "teacher_sft" / short)
@@ -92,6 +102,8 @@ def main() -> None:
     ap.add_argument("--persistent", help="the teacher's evaluation directory with agent.view persistent")
     a = ap.parse_args()
     conds = go_no_go(Path(a.results), a.short, a.long, Path(a.long_results) if a.long_results else None)
+    conds += [student_above_zero(Path(a.results), a.short),
+              student_above_zero(Path(a.long_results or a.results), a.long)]
     if a.persistent:
         conds += both_states(Path(a.results), Path(a.persistent), a.short)
     for c in conds:
