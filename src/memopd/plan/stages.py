@@ -122,12 +122,10 @@ def _train_wake(job: Job, pol: Spec) -> None:
     first, so the allocator keeps only segments that hold live tensors: assumed to hold no freed block beside
     them (no fragmentation); without it the allocator would keep the scoring / update peak's reserve, stated in
     the formula. The rollout phase holds the engine's whole share after the wake-up."""
-    for term, value in job.phases["rollout"].items():
-        if term != "vLLM engine":
-            job.phases.setdefault("wake-up", {})[term] = value
+    live = {term: value for term, value in job.phases["rollout"].items() if term != "vLLM engine"}
+    job.phases.setdefault("wake-up", {}).update(live)
     job.add("wake-up", "vLLM weights (woken first)", pol.weights("bfloat16"), "P x 2 B (the KV cache wakes after the sync)")
-    live = {k: v for k, (v, _) in job.phases["rollout"].items() if k != "vLLM engine"}
-    held = max(sum(v for v, _ in job.phases[ph].values()) for ph in ("scoring", "update")) - sum(live.values())
+    held = max(sum(v for v, _ in job.phases[ph].values()) for ph in ("scoring", "update")) - sum(v for v, _ in live.values())
     job.add("wake-up", "allocator reserve beyond live tensors", 0.0,
             f"0 after empty_cache (no fragmentation assumed); without it max(scoring, update) - live = {held / GB:.1f} GB")
     job.add("wake-up", "sync: one whole tensor", pol.vocab * pol.hidden * 4, "V x h x 4 B (the fp32 embedding, gathered)")
