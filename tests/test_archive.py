@@ -10,10 +10,15 @@ import pytest
 from memopd.cli import main
 from memopd.report.archive import MANIFEST, contents, read_archive
 
-TRAIN = {"student": "student_sft", "teacher": "teacher_sft", "methods": ["ppo", "memopd", "memopd_persistent"],
-         "seeds": [0, 1, 2, 3, 4, 5], "benchmark": "q2_train", "horizons": {"q2_test": "Q2", "wikirag_test": "wikirag"},
-         "matched_control": {"seeds": [0, 1, 2, 3, 4, 5], "benchmark": "q2_test"}, "steps": 12, "batch_tasks": 4}
-LEVEL = {"ppo": 0.10, "memopd": 0.14, "memopd_persistent": 0.05, "student_sft": 0.12, "teacher_sft": 0.2}
+# The second edition's form: the two controls on fewer seeds than ppo and memopd (train.per_method), the matched
+# control on each method's own seeds
+OWN = {"ppo": [0, 1, 2, 3, 4, 5], "memopd": [0, 1, 2, 3, 4, 5], "memopd_persistent": [0, 1, 2], "memopd_self": [0, 1, 2]}
+TRAIN = {"student": "student_sft", "teacher": "teacher_sft", "methods": list(OWN), "seeds": OWN["ppo"],
+         "per_method": {m: {"seeds": OWN[m]} for m in ("memopd_persistent", "memopd_self")},
+         "benchmark": "q2_train", "horizons": {"q2_test": "Q2", "wikirag_test": "wikirag"},
+         "matched_control": {"seeds": None, "benchmark": "q2_test"}, "steps": 12, "batch_tasks": 4}
+LEVEL = {"ppo": 0.10, "memopd": 0.14, "memopd_persistent": 0.05, "memopd_self": 0.11, "student_sft": 0.12,
+         "teacher_sft": 0.2}
 
 
 def _results(root, train=TRAIN):
@@ -52,7 +57,7 @@ def _tables_from_results(root, out):
           "--figure", str(out / "figures/f1_vs_horizon.png")])
     main(["report", "matched-control", "--cfg", cfg, "--eval-dir", str(root / "eval"),
           "--out", str(out / "tables/matched_control.csv")])
-    metrics = [str(root / "train" / m / f"seed{s}" / "metrics.jsonl") for m in TRAIN["methods"] for s in TRAIN["seeds"]]
+    metrics = [str(root / "train" / m / f"seed{s}" / "metrics.jsonl") for m, ss in OWN.items() for s in ss]
     main(["report", "curves", "--cfg", run, "--metrics", *metrics, "--figure", str(out / "figures/training_curves.png"),
           "--table", str(out / "tables/training_curves.csv"), "--reward", "f1"])
 
@@ -92,6 +97,8 @@ def test_the_archive_keeps_what_the_tables_read_and_records_its_source(archived)
     m = read_archive(tmp / "archive")
     assert m["train"] == TRAIN and m["reward"] == "f1" and m["format"] == 1 and m["label"] == LABEL
     assert len(m["commit"]) >= 7 and m["created"].startswith("20")
+    kept = {f for f in m["files"] if f.startswith("train/")}  # each method on its own seeds
+    assert kept == {f"train/{k}/seed{s}/metrics.jsonl.gz" for k, ss in OWN.items() for s in ss}
     ev = json.loads((tmp / "archive/eval/memopd_seed3/q2_test.json").read_text())
     own = json.loads((tmp / "results/eval/memopd_seed3/q2_test.json").read_text())
     assert "config" not in ev and "throughput" not in ev and ev["f1"] == own["f1"] and ev["max_new_tokens"] == 64

@@ -116,7 +116,7 @@ def test_caption_names_the_runs_and_findings_quote_the_paper(table):
     assert "primary (2 in the table), not adjusted" in mixed
     em = next(f for f in findings if "alignment on top" in f and "EM" in f)
     assert "Holm-adjusted p 0.0625 (secondary, over 2)" in em and "suggestive only" in em
-    assert "paired t interval and exact sign-flip" in caption and "EM Holm-adjusted" in caption
+    assert "paired t interval and sign-flip p when both have the same seeds" in caption and "EM Holm-adjusted" in caption
 
 
 def test_one_seed_gives_no_interval_and_says_so(tmp_path):
@@ -146,3 +146,48 @@ def test_findings_say_whether_a_clear_difference_goes_the_papers_way():
              if ", F1)" in line}
     assert "outside the noise, the same direction as the paper" in notes["Finding (persistent teacher"]
     assert "outside the noise, the opposite direction as the paper" in notes["Finding (alignment on top"]
+
+
+def test_each_method_on_its_own_seeds_with_the_regularisation_control(tmp_path):
+    """No control seeds of its own: ppo and memopd on ten seeds, the two controls on five (train.per_method). The
+    increments across different seeds are Welch's interval and the exact permutation p over all C(15, 5) splits,
+    against plain computations; `memopd vs memopd_self` (the KL anchor) has no paper figure and says so."""
+    from itertools import combinations
+
+    from scipy import stats
+
+    rng = __import__("random").Random(3)
+    own = {"ppo": list(range(10)), "memopd": list(range(10)), "memopd_persistent": list(range(5)),
+           "memopd_self": list(range(5))}
+    shift = {"ppo": 0.20, "memopd": 0.26, "memopd_persistent": 0.21, "memopd_self": 0.22}
+    f1 = {m: [shift[m] + rng.gauss(0, 0.03) for _ in ss] for m, ss in own.items()}
+    for m, ss in own.items():
+        for s, v in zip(ss, f1[m]):
+            d = tmp_path / "eval" / f"{m}_seed{s}"
+            d.mkdir(parents=True)
+            (d / "q2_test.json").write_text(json.dumps({"episodes": 20, "em": v / 2, "f1": v}))
+    cfg = {**TRAIN, "methods": list(own), "seeds": own["ppo"], "matched_control": {"seeds": None},
+           "per_method": {"memopd_persistent": {"seeds": own["memopd_persistent"]},
+                          "memopd_self": {"seeds": own["memopd_self"]}}}
+    rows = {(r["row"], r["metric"]): r for r in matched_control_table(cfg, tmp_path / "eval", tmp_path / "t.csv")}
+    assert {m: rows[(m, "f1")]["seeds"] for m in own} == {m: len(ss) for m, ss in own.items()}
+    for other, base in (("memopd_persistent", "ppo"), ("memopd", "memopd_persistent"), ("memopd", "memopd_self")):
+        r = rows[(f"{other} vs {base}", "f1")]
+        a, b = f1[other], f1[base]
+        va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+        df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))  # Welch-Satterthwaite
+        half = stats.t.ppf(0.975, df) * math.sqrt(va + vb)
+        diff = statistics.fmean(a) - statistics.fmean(b)
+        assert (r["diff"], r["diff_ci_low"], r["diff_ci_high"]) == pytest.approx((diff, diff - half, diff + half))
+        pool, k = a + b, len(a)
+        splits = [statistics.fmean(x) - statistics.fmean([pool[i] for i in range(15) if i not in idx])
+                  for idx in combinations(range(15), k) for x in [[pool[i] for i in idx]]]
+        assert r["p"] == pytest.approx(sum(abs(d) >= abs(diff) - 1e-12 for d in splits) / len(splits))
+        assert r["seeds"] == f"{len(a)}/{len(b)}" and r["test"].startswith("Welch")
+    md = (tmp_path / "t.md").read_text()
+    anchor = next(line for line in md.splitlines() if line.startswith("Finding (the teacher beyond a KL anchor"))
+    assert "no paper figure" in anchor and "10/5 seeds" in anchor
+    caption = md.splitlines()[0]
+    assert "seeds ppo [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], memopd_persistent [0, 1, 2, 3, 4], memopd [0, 1" in caption
+    assert "memopd_self_seed4" in caption and "memopd_self_seed5" not in caption
+    assert "`memopd vs memopd_self` = the teacher beyond a KL anchor" in caption

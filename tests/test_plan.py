@@ -541,3 +541,16 @@ def test_nccl_buffers_and_a_sleeping_engine_by_hand():
     w["plan"].update(nccl_gb=2.0, vllm_asleep_gb=3.0)
     (more,) = plan(w, {"train"})
     assert more.peak()[1] - job.peak()[1] == pytest.approx((1.5 + 2.0) * GB)
+
+
+def test_training_disk_counts_each_methods_own_seeds_by_hand():
+    """The exports' disk term counts the runs as trained: 3 methods x 5 seeds at paper scale, 2 x 5 + 1 x 2 once
+    memopd_persistent has two seeds of its own (train.per_method)."""
+    from memopd.plan import plan
+
+    cfg = _cfg()
+    (job,) = plan(cfg, {"train"})
+    one = job.disk["exports"][0] / 15
+    cfg["train"]["per_method"] = {"memopd_persistent": {"seeds": [0, 1]}}
+    (job,) = plan(cfg, {"train"})
+    assert job.disk["exports"][0] == pytest.approx(12 * one) and job.disk["exports"][1].startswith("12 runs")

@@ -218,3 +218,29 @@ def test_a_layered_config_drops_a_horizon_by_null(tmp_path):
     assert ("ppo_seed0", "q8_test.json") in _evaluated(full.stdout)
     assert {b for _, b in _evaluated(small.stdout)} == {"q2_test.json", "wikirag_test.json"}
     assert ("memopd_persistent_seed0", "wikirag_test.json") in _evaluated(small.stdout)
+
+
+def test_each_method_trains_on_its_own_seeds_and_settings(tmp_path):
+    """train.per_method: ppo on seeds 0-1 at its own lr, memopd on 0-1, the two controls on seed 0. `all` trains those
+    six runs; the matched control (no seeds of its own) reads each method's runs, the regularisation control's
+    too; a run's --cfg holds its own settings and no other method's, so changing one method's reruns no other."""
+    def mutate(c):
+        c["train"].update(methods=["ppo", "memopd", "memopd_persistent", "memopd_self"], seeds=[0, 1],
+                          per_method={"ppo": {"lr_actor": 3e-4}, "memopd_persistent": {"seeds": [0]},
+                                      "memopd_self": {"seeds": [0]}})
+        c["train"]["matched_control"]["seeds"] = None
+    res = snakemake("all", "-n", "-p", "--forceall", "--configfile", str(_bad_config(tmp_path, mutate)))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    blocks = _dry_run_blocks(res.stdout)
+    runs = {"ppo": [0, 1], "memopd": [0, 1], "memopd_persistent": [0], "memopd_self": [0]}
+    assert sorted(b["wildcards"] for b in blocks["train"]) == sorted(f"method={m}, seed={s}" for m, ss in runs.items()
+                                                                      for s in ss)
+    (job,) = blocks["matched_control"]
+    assert {f for f in job["input"].split(", ")} == {f"results/eval/{m}_seed{s}/q2_test.json" for m, ss in runs.items()
+                                                     for s in ss}
+    shells = [line for line in res.stdout.splitlines() if " train --cfg " in line]
+    lr = {m: json.loads(line.split("--cfg ")[1].split(" --method")[0].strip("'"))["train"]["lr_actor"]
+          for line in shells for m in [line.split("--method ")[1].split()[0]]}
+    base = yaml.safe_load((ROOT / "config/config.yaml").read_text())["train"]["lr_actor"]
+    assert lr == {"ppo": 3e-4, "memopd": base, "memopd_persistent": base, "memopd_self": base}
+    assert not any("per_method" in line for line in shells)

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from memopd.inputs import ConfigError, section
+from memopd.methods import control_methods
 
 RULES = ("full_retention", "suffix_retention", "summary_replacement", "sliding_window", "retrieval_refresh")
 REFRESH_OBSERVATION = {"retrieval_refresh"}  # rules whose observation is re-retrieved at every call
@@ -137,12 +138,47 @@ def agent_config(cfg: dict, **overrides) -> AgentConfig:
 
 
 MATCHED_DEFAULT_BENCHMARK = "q2_test"
+# What train.per_method.{method} may set: its seeds, step sizes and regularisers (never what the resource plan
+# reads, which stays one value for every method)
+PER_METHOD_KEYS = ("seeds", "lr_actor", "lr_critic", "ppo")
+PER_METHOD_PPO_KEYS = ("opd_coef", "beta", "entropy_coef", "clip", "max_grad_norm")
 
 
-def matched_control_config(train: dict) -> tuple[list[int], str]:
-    """(seeds, benchmark) of the `train` section's matched_control (defaults: train.seeds, q2_test)."""
+def method_section(train: dict, method: str) -> dict:
+    """The `train` section as method `method` runs it: train.per_method[method] over the rest (its `ppo` keys over
+    train.ppo's, each other key in place of the section's), without per_method; a ConfigError names a bad key."""
+    own = (train.get("per_method") or {}).get(method) or {}
+    if bad := set(own) - set(PER_METHOD_KEYS):
+        raise ConfigError(f"train.per_method.{method}: unknown keys {sorted(bad)}; choose from {list(PER_METHOD_KEYS)}")
+    if bad := set(own.get("ppo") or {}) - set(PER_METHOD_PPO_KEYS):
+        raise ConfigError(f"train.per_method.{method}.ppo: keys {sorted(bad)} are one value for every method; "
+                          f"per method: {list(PER_METHOD_PPO_KEYS)}")
+    out = {k: v for k, v in train.items() if k != "per_method"}
+    out.update({k: v for k, v in own.items() if k != "ppo"})
+    if "ppo" in own:
+        out["ppo"] = {**train.get("ppo", {}), **own["ppo"]}
+    return out
+
+
+def method_seeds(train: dict, methods=None) -> dict[str, list[int]]:
+    """{method: its seeds} for `methods` (default train.methods): train.per_method.{method}.seeds, else train.seeds."""
+    return {m: list(method_section(train, m)["seeds"]) for m in (train["methods"] if methods is None else methods)}
+
+
+def trained_runs(train: dict) -> list[tuple[str, int]]:
+    """(method, seed) of every run of train.methods, each method on its own seeds (method_seeds)."""
+    return [(m, s) for m, seeds in method_seeds(train).items() for s in seeds]
+
+
+def matched_control_config(train: dict) -> tuple[dict[str, list[int]], str]:
+    """({method: seeds}, benchmark) of the `train` section's matched control (methods.control_methods): every
+    method on matched_control.seeds when it names them, else each on its own (method_seeds); benchmark default
+    q2_test."""
     mc = train.get("matched_control") or {}
-    return list(mc.get("seeds", train["seeds"])), mc.get("benchmark", MATCHED_DEFAULT_BENCHMARK)
+    methods = control_methods(train.get("methods", ()))
+    seeds = ({m: list(mc["seeds"]) for m in methods} if mc.get("seeds") is not None
+             else method_seeds(train, methods))
+    return seeds, mc.get("benchmark", MATCHED_DEFAULT_BENCHMARK)
 
 
 def per_benchmark(value, bench: str):

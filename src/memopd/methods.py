@@ -34,6 +34,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 )}
 # The matched control's three runs: no teacher, the teacher on the persistent history, on the exact state.
 MATCHED_METHODS = ("ppo", "memopd_persistent", "memopd")
+# The regularisation control: the matched-control table compares `memopd` with it when train.methods has it.
+SELF_CONTROL = "memopd_self"
 # The order of methods in figures and tables: the paper's, then the controls.
 ORDER = ("ppo", "memopd_persistent", "memopd", "memopd_self")
 
@@ -49,3 +51,8 @@ def teacher_model(name: str, train: dict) -> str | None:
     """The model directory name of method `name`'s frozen teacher under the `train` config section (None: none)."""
     m = method(name)
     return train[m.teacher] if m.needs_teacher else None
+
+
+def control_methods(methods) -> tuple[str, ...]:
+    """The matched-control table's methods: MATCHED_METHODS, then SELF_CONTROL when `methods` (train.methods) has it."""
+    return MATCHED_METHODS + ((SELF_CONTROL,) if SELF_CONTROL in methods else ())

@@ -1,14 +1,15 @@
 # PPO / MemOPD training (one job per method x seed), evaluation of the trained policies, Tables 1-2, and
-# the matched control (its own target, on its own seeds: a seed of train.seeds reuses that run).
+# the matched control (its own target, on its own seeds: a seed a method trains anyway reuses that run).
 
 TRAIN = config["train"]
 # What a training run sees: the train section without matched_control (which says which runs a table
 # reads, not how to train), so that changing the control's seeds reruns no training and no Tables 1-2.
 TRAIN_RUN = {k: v for k, v in TRAIN.items() if k != "matched_control"}
-TRAINED = [f"{m}_seed{s}" for m in TRAIN["methods"] for s in TRAIN["seeds"]]
-# The matched control: methods fixed (memopd.methods.MATCHED_METHODS), runs {method}_seed{seed}.
-CONTROL = TRAIN["matched_control"]
-CONTROL_RUNS = [f"{m}_seed{s}" for m in MATCHED_METHODS for s in CONTROL["seeds"]]
+# Every method on its own seeds (train.per_method.{method}.seeds, else train.seeds).
+TRAINED = [f"{m}_seed{s}" for m, s in trained_runs(TRAIN)]
+# The matched control: methods fixed (memopd.methods.control_methods), runs {method}_seed{seed}.
+CONTROL_SEEDS, CONTROL_BENCHMARK = matched_control_config(TRAIN)
+CONTROL_RUNS = [f"{m}_seed{s}" for m, seeds in CONTROL_SEEDS.items() for s in seeds]
 # What rule archive keeps: ([(model, benchmark)], [(method, seed)]) (memopd.report.archive.contents).
 ARCHIVE_EVALS, ARCHIVE_RUNS = archive_contents(TRAIN)
 
@@ -30,7 +31,8 @@ rule train:
         code=code("train"),
         launch=launcher,  # torchrun (one rank per GPU, gradients summed over ranks) when the job has several GPUs
         tracking=cfg_json("tracking"),
-        cfg=lambda w: json.dumps({"train": TRAIN_RUN, **{k: config[k] for k in ("agent", "rollout")}}, sort_keys=True),
+        cfg=lambda w: json.dumps({"train": method_section(TRAIN_RUN, w.method), **{k: config[k] for k in ("agent", "rollout")}},
+                                 sort_keys=True),
         student=lambda w, input: os.path.dirname(input.student),
         teacher=lambda w, input: f"--teacher {os.path.dirname(input.teacher)}" if "teacher" in input.keys() else "",
         run_dir=lambda w, output: os.path.dirname(output.metrics),
@@ -89,7 +91,7 @@ rule results_tables:
 rule matched_control:
     # exactly the control's runs on its benchmark (the eval job of a run also writes its other benchmarks)
     input:
-        evals=expand("results/eval/{model}/{benchmark}.json", model=CONTROL_RUNS, benchmark=CONTROL["benchmark"]),
+        evals=expand("results/eval/{model}/{benchmark}.json", model=CONTROL_RUNS, benchmark=CONTROL_BENCHMARK),
     output:
         csv=report("results/tables/matched_control.csv", caption=caption("matched_control"), category=REPORT_TRAINING,
                    subcategory="matched control"),
@@ -114,10 +116,10 @@ rule matched_control:
 
 rule training_curves:
     # reward, invalid rate, OPD reverse KL and PPO clip fraction vs step of every (method, seed) run of
-    # train.methods x train.seeds, and each run's trend (did the reward rise, is it flat at the end); both are
+    # train.methods (each on its seeds), and each run's trend (did the reward rise, is it flat at the end); both are
     # also artifacts of the MLflow run `training-curves`
     input:
-        metrics=expand("results/train/{method}/seed{seed}/metrics.jsonl", method=TRAIN["methods"], seed=TRAIN["seeds"]),
+        metrics=[f"results/train/{m}/seed{s}/metrics.jsonl" for m, s in trained_runs(TRAIN)],
         tracking=TRACKING_STORE,
     output:
         figure=report("results/figures/training_curves.png", caption=caption("training_curves"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from memopd.config import RULES, rollout_config
+from memopd.config import RULES, rollout_config, trained_runs
 from memopd.methods import method as method_spec
 from memopd.plan.jobs import Job, _common, _fsdp, _job, _resources, _retriever, _rollouts, _scoring, _vllm
 from memopd.plan.memory import (COMPARE_CHUNK, DIVERGENCE_BYTES, STATE_BYTES, TOKEN_BYTES, _rce_terms, act_per_token,
@@ -83,7 +83,7 @@ def plan_train(cfg: dict) -> list[Job]:
         _train_load(job, cfg, pol, s)
         _train_resume(job, pol.params, pc, w, s, pol.vocab * pol.hidden * 4)
     _retriever(job, cfg, copies=w)
-    runs = len(t["methods"]) * len(t["seeds"])
+    runs = len(trained_runs(t))
     job.disk["exports"] = (runs * pol.params * BYTES[dt], f"{runs} runs x P x {BYTES[dt]} B")
     if not t.get("keep_checkpoint", False):
         job.disk["checkpoints (transient)"] = (runs * (pol.params + pc) * 12, f"{runs} runs at once x 12 B x (P + P_critic)")
@@ -320,7 +320,7 @@ def _packing_job(cfg: dict, am: Spec) -> Job:
 def plan_rollouts(cfg: dict) -> list[Job]:
     """Evaluation of the largest evaluated model, and the LLM teacher's trajectories."""
     ev, t, ro = cfg["eval"], cfg["train"], cfg["rollout"]
-    names = list(ev["models"]) + [f"{m}_seed{s}" for m in t["methods"] for s in t["seeds"]]
+    names = list(ev["models"]) + [f"{m}_seed{s}" for m, s in trained_runs(t)]
     role = max(sorted({model_role(n) for n in names}), key=lambda r: role_spec(cfg, r).params)
     m = role_spec(cfg, role)
     job = _job(cfg, "eval", role)

@@ -21,8 +21,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from memopd.config import matched_control_config
-from memopd.methods import MATCHED_METHODS
+from memopd.config import matched_control_config, trained_runs
 from memopd.outputs import write_json
 
 FORMAT = 1
@@ -33,13 +32,13 @@ TASK_COLUMNS = ("task_id", "em", "f1")
 def contents(train: dict) -> tuple[list[tuple[str, str]], list[tuple[str, int]]]:
     """What the archive keeps of the `train` config section's runs: ([(model, benchmark)], [(method, seed)]): every
     run on every horizon, the SFT student and teacher on every horizon, the matched control's runs on its
-    benchmark (what the result tables read); the training metrics of every run of train.methods x train.seeds (the
-    curves) and of the matched control's runs (a control seed outside train.seeds has no curve in the tables, yet
+    benchmark (what the result tables read); the training metrics of every run of train.methods, each on its seeds
+    (the curves), and of the matched control's runs (a control seed no method trains has no curve in the tables, yet
     its steps are the evidence of how it trained, e.g. a collapse). Rule `archive` takes its inputs from here."""
     horizons = list(train["horizons"])
     seeds, bench = matched_control_config(train)
-    trained = [(m, s) for m in train["methods"] for s in train["seeds"]]
-    control = [(m, s) for m in MATCHED_METHODS for s in seeds]
+    trained = trained_runs(train)
+    control = [(m, s) for m, ss in seeds.items() for s in ss]
     evals = [(f"{m}_seed{s}", b) for m, s in trained for b in horizons]
     evals += [(model, b) for model in dict.fromkeys([train["student"], train["teacher"]]) for b in horizons]
     evals += [(f"{m}_seed{s}", bench) for m, s in control]
@@ -138,6 +137,5 @@ def read_archive(path: str | Path) -> dict:
 
 
 def metrics_files(path: str | Path, manifest: dict) -> list[Path]:
-    """The archived metrics of the runs the training-curve table reads (train.methods x train.seeds)."""
-    train = manifest["train"]
-    return [Path(path) / "train" / m / f"seed{s}" / "metrics.jsonl.gz" for m in train["methods"] for s in train["seeds"]]
+    """The archived metrics of the runs the training-curve table reads (train.methods, each on its seeds)."""
+    return [Path(path) / "train" / m / f"seed{s}" / "metrics.jsonl.gz" for m, s in trained_runs(manifest["train"])]

@@ -19,29 +19,31 @@ def cmd_report_results(args, cfg):
 
 def results_tables(cfg: dict, eval_dir: str | Path, out_dir: str | Path, figure: str | Path) -> None:
     """cmd_report_results' tables and figure from the evaluations under `eval_dir` (`cfg`: the train section)."""
+    from memopd.config import method_seeds
     from memopd.report.results import (FAMILY_RULE, METRICS, budget_note, horizon_figure, horizon_order,
-                                       load_reference, load_scores, table_notes, table_rows, trained_horizon,
-                                       vs_student_notes, vs_student_rows)
+                                       load_reference, load_scores, seeds_words, settings_words, table_notes,
+                                       table_rows, trained_horizon, vs_student_notes, vs_student_rows)
     from memopd.stats import VERDICT_RULE
 
-    methods, seeds = cfg["methods"], cfg["seeds"]
+    methods, seeds = cfg["methods"], method_seeds(cfg)
     horizons = horizon_order(cfg["horizons"])  # {benchmark: label}, Q2 before Q16
     primary = trained_horizon(cfg.get("benchmark", ""), horizons)
-    caption = (f"{{}}: mean +- std over seeds {seeds} with the 95% t interval of the mean, change vs PPO in %, the "
+    caption = (f"{{}}: mean +- std over {seeds_words(seeds)} with the 95% t interval of the mean, change vs PPO in %, the "
                f"difference vs PPO over seeds with its 95% interval and exact p (paired t interval and sign-flip p "
                f"over the 2^n sign patterns when both have the same seeds, else Welch's interval and the "
                f"permutation p over the splits of the seeds), the smallest p these seeds allow, {FAMILY_RULE}; "
                f"noise: {VERDICT_RULE}; the paper's change of MemOPD vs PPO in % where it reports one; student "
-               f"{cfg['student']}, teacher {cfg['teacher']}, {cfg['steps']} steps x {cfg['batch_tasks']} tasks; EM/F1 "
+               f"{cfg['student']}, teacher {cfg['teacher']}, {cfg['steps']} steps x {cfg['batch_tasks']} tasks"
+               f"{settings_words(cfg)}; EM/F1 "
                f"= per-task mean over questions; rows {cfg['student']} and {cfg['teacher']}: the SFT student every "
                f"run starts from and the teacher, one greedy evaluation each (change vs PPO in %; no seeds, so no "
                f"std, interval or test)")
     q = {b: h for b, h in horizons.items() if h != "wikirag"}
     wiki = {b: h for b, h in horizons.items() if h == "wikirag"}
-    scores = load_scores(eval_dir, methods, seeds, list(horizons))
+    scores = load_scores(eval_dir, seeds, list(horizons))
     ref = load_reference(eval_dir, list(dict.fromkeys([cfg["student"], cfg["teacher"]])), list(horizons))
     multi = table_rows(scores, methods, q, METRICS["multiobjective"], ref, primary)
-    rows = vs_student_rows(eval_dir, cfg["student"], methods, seeds, horizons, primary=primary)
+    rows = vs_student_rows(eval_dir, cfg["student"], seeds, horizons, primary=primary)
     write_table(multi, Path(out_dir) / "multiobjective.csv",
                 f"{caption.format('Multi-objective (Q2 train)')}; {budget_note(scores, q)}", notes=table_notes(multi))
     if wiki:
@@ -51,7 +53,7 @@ def results_tables(cfg: dict, eval_dir: str | Path, out_dir: str | Path, figure:
     horizon_figure([r for r in multi if r["method"] in methods], figure)
     write_table(rows, Path(out_dir) / "vs_student.csv",
                 f"Each method against the SFT student it started from ({cfg['student']}), on the same tasks: method "
-                f"(mean over seeds {seeds}) - student, the mean difference over tasks with its 95% interval (a "
+                f"(mean over its seeds; {seeds_words(seeds)}) - student, the mean difference over tasks with its 95% interval (a "
                 f"two-level bootstrap, seeds then tasks, with several seeds; BCa over tasks with one); the test over "
                 f"seeds: per seed the mean difference, its t interval (seed_ci) and exact sign-flip p, {FAMILY_RULE}; "
                 f"noise: {VERDICT_RULE}; {cfg['steps']} steps x {cfg['batch_tasks']} tasks; "
@@ -94,11 +96,13 @@ def curves_table(cfg: dict, metrics: list, figure: str | Path, table: str | Path
     from memopd.report.curves import (curves_figure, load_runs, ordered, panel_titles, trend_caption, trend_notes,
                                       trend_rows)
 
+    from memopd.report.results import seeds_words
+
     runs = load_runs(metrics)
     bench = cfg.get("benchmark", "")
-    seeds = sorted({s for r in runs.values() for s in r})
+    seeds = seeds_words({m: sorted(runs[m]) for m in ordered(runs)})
     n_seeds = ", ".join(f"{m} ({len(runs[m])} seed{'s' if len(runs[m]) > 1 else ''})" for m in ordered(runs))
-    title = (f"Training curves{' on ' + bench if bench else ''}: {n_seeds}; line = mean over seeds {seeds}, "
+    title = (f"Training curves{' on ' + bench if bench else ''}: {n_seeds}; line = mean over {seeds}, "
              "band = min-max")
     drawn = curves_figure(runs, figure, title, reward)
     rows = trend_rows(runs)

@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 
 from memopd.config import matched_control_config
-from memopd.methods import MATCHED_METHODS
+from memopd.methods import SELF_CONTROL
 from memopd.outputs import pyplot, save_figure
 from memopd.stats import (NAN, VERDICT_RULE, SeedTest, compare_seeds, holm, noise_verdict, one_sample_test, paired_bca,
                           relative_change_pct, t_interval, two_level_bootstrap)
@@ -32,11 +32,13 @@ METRICS = {
                 "peak_context_tokens"],
     "matched_control": ["em", "f1"],
 }
-# The matched control: these three methods, everything else identical (the runs differ only by method).
-# Its two increments (method, baseline, what it measures) and the paper's change of the mean in %.
+# The matched control: these methods, everything else identical (the runs differ only by method). Its
+# increments (method, baseline, what it measures) and the paper's change of the mean in % ({}: the paper has no
+# such run); the last one only when the config trains the regularisation control (methods.control_methods).
 INCREMENTS = [
     ("memopd_persistent", "ppo", "persistent teacher", {"f1": 5.6, "em": 4.4}),
     ("memopd", "memopd_persistent", "alignment on top", {"f1": 7.0, "em": 10.0}),
+    ("memopd", SELF_CONTROL, "the teacher beyond a KL anchor", {}),
 ]
 # Tables 1-2 of the paper: MemOPD's change of the mean over PPO in % (five seeds), by (horizon label, metric).
 PAPER_MEMOPD_VS_PPO = {
@@ -54,13 +56,14 @@ COLUMNS = ["method", "horizon", "metric", "mean", "std", "ci_low", "ci_high", "r
            "diff_vs_ppo", "diff_ci_low", "diff_ci_high", *TEST_COLUMNS, "paper_rel_to_ppo_pct", "noise"]
 
 
-def load_scores(eval_dir: str | Path, methods: list[str], seeds: list[int], benchmarks: list[str]) -> dict:
-    """{(method, benchmark): {seed: eval json}} from results/eval/{method}_seed{seed}/{benchmark}.json."""
+def load_scores(eval_dir: str | Path, seeds: dict[str, list[int]], benchmarks: list[str]) -> dict:
+    """{(method, benchmark): {seed: eval json}} from results/eval/{method}_seed{seed}/{benchmark}.json, each method
+    of `seeds` ({method: its seeds}) on its own seeds."""
     out = {}
-    for m in methods:
+    for m, ms in seeds.items():
         for b in benchmarks:
             out[(m, b)] = {}
-            for s in seeds:
+            for s in ms:
                 out[(m, b)][s] = _eval_json(Path(eval_dir) / f"{m}_seed{s}" / f"{b}.json",
                                             f"method {m}, seed {s}, benchmark {b}")
     return out
@@ -227,8 +230,9 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'s' if n != 1 else ''}"
 
 
-def _seeds(n: int) -> str:
-    return _plural(n, "seed")
+def _seeds(n: int | str) -> str:
+    """'5 seeds'; a comparison of two methods on different seeds is given as 'n1/n2'."""
+    return _plural(n, "seed") if isinstance(n, int) else f"{n} seeds"
 
 
 def verdict(noise: str, diff: float, paper: float) -> str:
@@ -269,10 +273,10 @@ def task_scores(path: str | Path, metric: str) -> dict[str, float]:
     return {r["task_id"]: float(r[metric]) for r in rows}
 
 
-def vs_student_rows(eval_dir: str | Path, student: str, methods: list[str], seeds: list[int],
-                    horizons: dict[str, str], metrics: tuple[str, ...] = ("em", "f1"),
-                    primary: str | None = None) -> list[dict]:
-    """Each trained method against the SFT student it started from (greedy, one evaluation), on the same tasks.
+def vs_student_rows(eval_dir: str | Path, student: str, seeds: dict[str, list[int]], horizons: dict[str, str],
+                    metrics: tuple[str, ...] = ("em", "f1"), primary: str | None = None) -> list[dict]:
+    """Each trained method ({method: its seeds}) against the SFT student it started from (greedy, one evaluation),
+    on the same tasks.
 
     diff: the method's per-task score (mean over seeds) minus the student's, averaged over tasks; ci_low/ci_high:
     its 95% interval, a two-level bootstrap (seeds, then tasks) with several seeds, BCa over tasks with one.
@@ -284,18 +288,18 @@ def vs_student_rows(eval_dir: str | Path, student: str, methods: list[str], seed
         for metric in metrics:
             base = task_scores(Path(eval_dir) / student / f"{bench}.csv", metric)
             ids = sorted(base)
-            for m in methods:
-                per_seed = [task_scores(Path(eval_dir) / f"{m}_seed{s}" / f"{bench}.csv", metric) for s in seeds]
-                for s, scores in zip(seeds, per_seed):
+            for m, ms in seeds.items():
+                per_seed = [task_scores(Path(eval_dir) / f"{m}_seed{s}" / f"{bench}.csv", metric) for s in ms]
+                for s, scores in zip(ms, per_seed):
                     if set(scores) != set(base):
                         raise ValueError(f"{eval_dir}/{m}_seed{s}/{bench}.csv: tasks differ from the student's "
                                          f"({len(scores)} vs {len(base)}): evaluate both on the same tasks")
                 b, o = [base[t] for t in ids], [[sc[t] for t in ids] for sc in per_seed]
-                diff, lo, hi = two_level_bootstrap(b, o) if len(seeds) > 1 else paired_bca(b, o[0])
+                diff, lo, hi = two_level_bootstrap(b, o) if len(ms) > 1 else paired_bca(b, o[0])
                 row = {**dict.fromkeys(VS_STUDENT_COLUMNS, ""), "method": m, "horizon": horizon, "metric": metric,
                        "student": statistics.fmean(b), "mean": statistics.fmean(statistics.fmean(x) for x in o),
-                       "diff": diff, "ci_low": lo, "ci_high": hi, "tasks": len(ids), "seeds": len(seeds)}
-                if len(seeds) > 1:
+                       "diff": diff, "ci_low": lo, "ci_high": hi, "tasks": len(ids), "seeds": len(ms)}
+                if len(ms) > 1:
                     t = one_sample_test([statistics.fmean(x) - row["student"] for x in o])
                     row = fill_test({**row, "seed_ci_low": t.ci_low, "seed_ci_high": t.ci_high}, t,
                                     (horizon, metric) == (primary, PRIMARY_METRIC))
@@ -326,31 +330,30 @@ MATCHED_COLUMNS = ["row", "metric", "mean", "std", "ci_low", "ci_high", "seeds",
 
 
 def matched_control_rows(scores: dict, benchmark: str, metrics: list[str] | None = None) -> list[dict]:
-    """The matched-control table from load_scores(..., MATCHED_METHODS, seeds, [benchmark]).
+    """The matched-control table from load_scores(eval_dir, {method: seeds}, [benchmark]) over the control's
+    methods (methods.control_methods), each on its own seeds.
 
     Per metric: one row per method (mean, sample std and t interval over seeds), then one row per increment of
-    INCREMENTS ("memopd_persistent vs ppo", "memopd vs memopd_persistent"): the change of the mean in %, the mean
-    per-seed difference with its paired t interval and exact sign-flip p, the paper's change in %, and the
-    verdict (F1 primary; the other metrics Holm-adjusted). Cells that do not apply are ""."""
+    INCREMENTS whose two methods are there: the change of the mean in %, the difference of the means over seeds
+    with its interval and exact p (stats.compare_seeds: paired t and sign-flip on the same seeds, else Welch and
+    the permutation over the splits), the paper's change in % (NaN: none), and the verdict (F1 primary; the other
+    metrics Holm-adjusted). Cells that do not apply are ""."""
     metrics = metrics or METRICS["matched_control"]
-    per = {m: scores[(m, benchmark)] for m in MATCHED_METHODS}
-    seeds = sorted(per["ppo"])
-    for m, runs in per.items():
-        if sorted(runs) != seeds:
-            raise ValueError(f"matched control: {m} has seeds {sorted(runs)}, ppo has {seeds} (pairs need the same seeds)")
+    per = {m: runs for (m, b), runs in scores.items() if b == benchmark}
     blank = dict.fromkeys(MATCHED_COLUMNS, "")
     rows = []
     for metric in metrics:
-        vals = {m: {s: float(per[m][s][metric]) for s in seeds} for m in MATCHED_METHODS}
-        for m in MATCHED_METHODS:
-            v = list(vals[m].values())
+        vals = {m: {s: float(r[metric]) for s, r in sorted(runs.items())} for m, runs in per.items()}
+        for m, v in ((m, list(v.values())) for m, v in vals.items()):
             lo, hi = t_interval(v)
             rows.append({**blank, "row": m, "metric": metric, "mean": statistics.fmean(v),
-                         "std": statistics.stdev(v) if len(seeds) > 1 else 0.0, "ci_low": lo, "ci_high": hi,
-                         "seeds": len(seeds)})
-        for other, base, _, paper in INCREMENTS:
+                         "std": statistics.stdev(v) if len(v) > 1 else 0.0, "ci_low": lo, "ci_high": hi,
+                         "seeds": len(v)})
+        for other, base, _, paper in (i for i in INCREMENTS if {i[0], i[1]} <= set(per)):
             t = compare_seeds(vals[base], vals[other])
-            rows.append(fill_test({**blank, "row": f"{other} vs {base}", "metric": metric, "seeds": len(seeds),
+            n = (len(vals[other]), len(vals[base]))
+            rows.append(fill_test({**blank, "row": f"{other} vs {base}", "metric": metric,
+                                   "seeds": n[0] if n[0] == n[1] else f"{n[0]}/{n[1]}",
                                    "change_pct": relative_change_pct(statistics.fmean(vals[base].values()),
                                                                      statistics.fmean(vals[other].values())),
                                    "diff": t.diff, "diff_ci_low": t.ci_low, "diff_ci_high": t.ci_high,
@@ -362,45 +365,71 @@ def _signed(v: float, unit: str = "%") -> str:
     return "undefined (baseline mean 0)" if math.isnan(v) else f"{v:+.1f}{unit}"
 
 
+def _paper(pct: float) -> str:
+    return "no paper figure" if math.isnan(pct) else f"paper {pct:+.1f}%"
+
+
 def matched_control_notes(rows: list[dict]) -> list[str]:
     """One `Finding:` line per increment and metric: ours (the test over seeds), the paper's, the verdict."""
     notes = []
     for other, base, label, _ in INCREMENTS:
         for r in (r for r in rows if r["row"] == f"{other} vs {base}"):
             notes.append(f"Finding ({label}, {other} vs {base}, {r['metric'].upper()}): {_signed(r['change_pct'])} "
-                         f"(per-seed difference {r['diff']:+.4f}; "
-                         f"{test_words(r)}); "
-                         f"paper {r['paper_change_pct']:+.1f}%; "
+                         f"(difference {r['diff']:+.4f}; {test_words(r)}); "
+                         f"{_paper(r['paper_change_pct'])}; "
                          f"{verdict(r['noise'], r['diff'], r['paper_change_pct'])}.")
     return notes
 
 
-def matched_control_caption(cfg: dict, seeds: list[int], benchmark: str, scores: dict) -> str:
+def seeds_words(seeds: dict[str, list[int]]) -> str:
+    """'seeds [0, 1]' when every method has the same seeds, else each method's: 'seeds ppo [0, 1], memopd [0]'."""
+    lists = list(seeds.values())
+    if all(x == lists[0] for x in lists):
+        return f"seeds {lists[0]}"
+    return "seeds " + ", ".join(f"{m} {ms}" for m, ms in seeds.items())
+
+
+def settings_words(cfg: dict) -> str:
+    """The `train` section's per-method settings other than seeds ('; per method: ppo lr_actor 0.0003, ppo.beta
+    0.01'), '' when there are none."""
+    parts = []
+    for m, own in (cfg.get("per_method") or {}).items():
+        kv = ([f"{k} {v:g}" for k, v in own.items() if k not in ("seeds", "ppo")]
+              + [f"ppo.{k} {v:g}" for k, v in (own.get("ppo") or {}).items()])
+        if kv:
+            parts.append(f"{m} {', '.join(kv)}")
+    return f"; per method: {'; '.join(parts)}" if parts else ""
+
+
+def matched_control_caption(cfg: dict, seeds: dict[str, list[int]], benchmark: str, scores: dict) -> str:
     """Names the methods, seeds, benchmark, runs (run directories, models, evaluations) and training set-up."""
-    models = [f"{m}_seed{s}" for m in MATCHED_METHODS for s in seeds]
-    episodes = sorted({int(r["episodes"]) for m in MATCHED_METHODS for r in scores[(m, benchmark)].values()
+    models = [f"{m}_seed{s}" for m, ms in seeds.items() for s in ms]
+    episodes = sorted({int(r["episodes"]) for m in seeds for r in scores[(m, benchmark)].values()
                        if "episodes" in r})
     tasks = f", {'/'.join(map(str, episodes))} tasks each" if episodes else ""
-    return (f"Matched control on {benchmark}: methods {', '.join(MATCHED_METHODS)} (PPO without teacher; MemOPD "
-            f"with the teacher on the persistent history; MemOPD with the teacher on the exact state), everything "
-            f"else identical; seeds {list(seeds)}; runs results/train/{{method}}/seed{{seed}}/ exported as models "
-            f"{', '.join(models)}; evaluations results/eval/{{model}}/{benchmark}.json{tasks}. Student "
-            f"{cfg['student']}, teacher {cfg['teacher']}, trained on {cfg['benchmark']} for {cfg['steps']} steps x "
-            f"{cfg['batch_tasks']} tasks. Method rows: mean +- std over seeds and 95% t interval; increment rows "
-            f"(`memopd_persistent vs ppo` = persistent teacher, `memopd vs memopd_persistent` = alignment on top): "
-            f"change of the mean in %, mean per-seed difference with its 95% paired t interval and exact sign-flip "
-            f"p over seeds ({VERDICT_RULE}; F1 primary, EM Holm-adjusted), and the paper's change (persistent "
-            f"teacher +5.6% F1 / +4.4% EM over PPO; alignment a further +7.0% F1 / +10.0% EM); EM/F1 = per-task "
-            f"mean over questions")
+    own = "; MemOPD with the SFT student as its own teacher (a KL anchor)" if SELF_CONTROL in seeds else ""
+    increments = ", ".join(f"`{o} vs {b}` = {label}" for o, b, label, _ in INCREMENTS if {o, b} <= set(seeds))
+    return (f"Matched control on {benchmark}: methods {', '.join(seeds)} (PPO without teacher; MemOPD "
+            f"with the teacher on the persistent history; MemOPD with the teacher on the exact state{own}), "
+            f"everything else identical{settings_words(cfg)}; {seeds_words(seeds)}; runs "
+            f"results/train/{{method}}/seed{{seed}}/ exported as models {', '.join(models)}; evaluations "
+            f"results/eval/{{model}}/{benchmark}.json{tasks}. Student {cfg['student']}, teacher {cfg['teacher']}, "
+            f"trained on {cfg['benchmark']} for {cfg['steps']} steps x {cfg['batch_tasks']} tasks. Method rows: mean "
+            f"+- std over seeds and 95% t interval; increment rows ({increments}): change of the mean in %, the "
+            f"difference over seeds with its 95% interval and exact p (paired t interval and sign-flip p when both "
+            f"have the same seeds, else Welch's interval and the permutation p over the splits of the seeds; "
+            f"{VERDICT_RULE}; F1 primary, EM Holm-adjusted), and the paper's change (persistent teacher +5.6% F1 / "
+            f"+4.4% EM over PPO; alignment a further +7.0% F1 / +10.0% EM; no figure for the KL anchor); EM/F1 = "
+            f"per-task mean over questions")
 
 
 def matched_control_table(cfg: dict, eval_dir: str | Path, out_csv: str | Path) -> list[dict]:
     """results/tables/matched_control.{csv,md} from results/eval/{method}_seed{seed}/{benchmark}.json.
-    cfg: the `train` config section (its matched_control gives seeds and benchmark)."""
+    cfg: the `train` config section (config.matched_control_config: the methods' seeds, the benchmark)."""
     from memopd.outputs import write_table
 
     seeds, benchmark = matched_control_config(cfg)
-    scores = load_scores(eval_dir, MATCHED_METHODS, seeds, [benchmark])
+    scores = load_scores(eval_dir, seeds, [benchmark])
     rows = matched_control_rows(scores, benchmark)
     write_table(rows, out_csv, matched_control_caption(cfg, seeds, benchmark, scores),
                 notes=matched_control_notes(rows))

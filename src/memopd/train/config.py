@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields
 
+from memopd.config import method_section
 from memopd.dist import TIMEOUT_MIN
 from memopd.parallel import SHARDING, check_backend
 from memopd.train.ppo import PPOConfig
@@ -47,7 +48,9 @@ class RunConfig:
 
     @classmethod
     def from_section(cls, section: dict, method: str, seed: int) -> RunConfig:
-        """The `train` config section of the run (`method`, `seed`)."""
+        """The `train` config section of the run (`method`, `seed`), the method's own settings
+        (train.per_method) over the rest."""
+        section = method_section(section, method)
         own = {f.name for f in fields(cls)}
         if unknown := set(section) - own - {"dtype"} - set(WORKFLOW_KEYS):
             raise ValueError(f"unknown train config keys {sorted(unknown)}")
