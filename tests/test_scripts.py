@@ -1,5 +1,6 @@
 """The analysis scripts of workflow/scripts/ (not pipeline steps; docs/outputs.md "Analysis scripts")."""
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -330,3 +331,15 @@ def test_tuning_steps_rule_finds_where_every_chosen_curve_flattens():
     assert tu.steps_rule([a, b]) == 200
     rising = [s / 300 + noise[s] for s in range(300)]  # never flat within 300 steps
     assert tu.steps_rule([rising]) == 300
+
+
+def test_tuning_reads_an_archived_runs_gzipped_metrics(tmp_path):
+    import gzip
+
+    tu = _load("tuning")
+    steps = [{"step": i, "reward/em": i / 10} for i in range(3)]
+    text = "".join(json.dumps(s) + "\n" for s in steps)
+    (tmp_path / "metrics.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    assert tu._metrics(tmp_path / "metrics.jsonl") == steps
+    (tmp_path / "metrics.jsonl").write_text(text[: text.index("\n") + 1])  # the plain file, when there, wins
+    assert tu._metrics(tmp_path / "metrics.jsonl") == steps[:1]

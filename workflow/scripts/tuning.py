@@ -14,6 +14,7 @@ whatever they say.
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
 import shutil
@@ -79,7 +80,10 @@ def run(dev: Path, out: Path, configfiles: list[str], parallel: int) -> None:
 
 
 def _metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A run's metrics.jsonl, or its gzip beside it (an archived run: metrics.jsonl.gz)."""
+    gz = path.with_name(path.name + ".gz")
+    text = gzip.decompress(gz.read_bytes()).decode() if not path.exists() and gz.exists() else path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _mean(xs: list[float]) -> float:
