@@ -244,3 +244,30 @@ def test_each_method_trains_on_its_own_seeds_and_settings(tmp_path):
     base = yaml.safe_load((ROOT / "config/config.yaml").read_text())["train"]["lr_actor"]
     assert lr == {"ppo": 3e-4, "memopd": base, "memopd_persistent": base, "memopd_self": base}
     assert not any("per_method" in line for line in shells)
+
+
+def test_the_second_editions_stack_trains_thirty_runs_at_their_fixed_settings(tmp_path):
+    """config/study_second_edition.yaml over the Design B H = 2 stack (its header's command): ppo and memopd on seeds
+    0-9, the two controls on 0-4, each run's --cfg with its method's rule-3 settings and 150 steps, and every trained
+    run evaluated at Q2, the longer horizons and Wiki-RAG."""
+    stack = [str(ROOT / f"config/{name}.yaml")
+             for name in ("study", "study_design_b", "study_design_b_h2", "study_second_edition")]
+    res = snakemake("-n", "-p", "--forceall", "-d", str(tmp_path), "results/archive/archive.json", "--configfile", *stack)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    runs = {"ppo": range(10), "memopd": range(10), "memopd_persistent": range(5), "memopd_self": range(5)}
+    assert sorted(b["wildcards"] for b in _dry_run_blocks(res.stdout)["train"]) == sorted(
+        f"method={m}, seed={s}" for m, ss in runs.items() for s in ss)
+    cfgs = {}
+    for line in res.stdout.splitlines():
+        if " train --cfg " in line:
+            train = json.loads(line.split("--cfg ")[1].split(" --method")[0].strip("'"))["train"]
+            cfgs[line.split("--method ")[1].split()[0]] = (train["lr_actor"], train["ppo"]["beta"],
+                                                            train["ppo"]["opd_coef"], train["steps"])
+    assert cfgs["ppo"][:2] == (1e-4, 0.001) and cfgs["ppo"][3] == 150
+    assert all(cfgs[m][0] == 3e-4 and cfgs[m][2] == 1.0 and cfgs[m][3] == 150
+               for m in ("memopd", "memopd_persistent", "memopd_self")), cfgs
+    evaluated = _evaluated(res.stdout)
+    for m, ss in runs.items():
+        for s in ss:
+            assert {b for model, b in evaluated if model == f"{m}_seed{s}"} >= {
+                "q2_test.json", "q4_test.json", "q8_test.json", "q16_test.json", "wikirag_test.json"}, (m, s)
