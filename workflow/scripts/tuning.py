@@ -14,7 +14,6 @@ whatever they say.
 from __future__ import annotations
 
 import argparse
-import gzip
 import itertools
 import json
 import shutil
@@ -81,9 +80,10 @@ def run(dev: Path, out: Path, configfiles: list[str], parallel: int) -> None:
 
 def _metrics(path: Path) -> list[dict]:
     """A run's metrics.jsonl, or its gzip beside it (an archived run: metrics.jsonl.gz)."""
+    from memopd.report.curves import read_steps
+
     gz = path.with_name(path.name + ".gz")
-    text = gzip.decompress(gz.read_bytes()).decode() if not path.exists() and gz.exists() else path.read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return read_steps(gz if not path.exists() and gz.exists() else path)
 
 
 def _mean(xs: list[float]) -> float:

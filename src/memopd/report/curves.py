@@ -23,16 +23,21 @@ PANELS = (
 )
 
 
+def read_steps(path) -> list[dict]:
+    """The logged steps of one metrics.jsonl file, or of its gzip (metrics.jsonl.gz, as archived), in file order."""
+    import gzip
+
+    raw = Path(path).read_bytes()
+    text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode()
+    return [json.loads(x) for x in text.splitlines() if x.strip()]
+
+
 def load_runs(paths) -> dict[str, dict[int, list[dict]]]:
     """{method: {seed: [one dict per step, in step order]}} from metrics.jsonl files, or their gzip
     (metrics.jsonl.gz, as archived); each line names its method and seed."""
-    import gzip
-
     runs: dict[str, dict[int, list[dict]]] = defaultdict(dict)
     for path in paths:
-        raw = Path(path).read_bytes()
-        text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode()
-        lines = [json.loads(x) for x in text.splitlines() if x.strip()]
+        lines = read_steps(path)
         if not lines:
             raise ValueError(f"{path}: no training steps")
         runs[lines[0]["method"]][int(lines[0]["seed"])] = sorted(lines, key=lambda m: m["step"])
