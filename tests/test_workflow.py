@@ -220,6 +220,13 @@ def test_a_layered_config_drops_a_horizon_by_null(tmp_path):
     assert ("memopd_persistent_seed0", "wikirag_test.json") in _evaluated(small.stdout)
 
 
+def _train_cfgs(dry_run_stdout):
+    """{method: its `train` section} from the --cfg of each `memopd train` command of a `snakemake -n -p` output."""
+    shells = [line for line in dry_run_stdout.splitlines() if " train --cfg " in line]
+    return {line.split("--method ")[1].split()[0]: json.loads(line.split("--cfg ")[1].split(" --method")[0].strip("'"))
+            ["train"] for line in shells}
+
+
 def test_each_method_trains_on_its_own_seeds_and_settings(tmp_path):
     """train.per_method: ppo on seeds 0-1 at its own lr, memopd on 0-1, the two controls on seed 0. `all` trains those
     six runs; the matched control (no seeds of its own) reads each method's runs, the regularisation control's
@@ -239,8 +246,7 @@ def test_each_method_trains_on_its_own_seeds_and_settings(tmp_path):
     assert {f for f in job["input"].split(", ")} == {f"results/eval/{m}_seed{s}/q2_test.json" for m, ss in runs.items()
                                                      for s in ss}
     shells = [line for line in res.stdout.splitlines() if " train --cfg " in line]
-    lr = {m: json.loads(line.split("--cfg ")[1].split(" --method")[0].strip("'"))["train"]["lr_actor"]
-          for line in shells for m in [line.split("--method ")[1].split()[0]]}
+    lr = {m: train["lr_actor"] for m, train in _train_cfgs(res.stdout).items()}
     base = yaml.safe_load((ROOT / "config/config.yaml").read_text())["train"]["lr_actor"]
     assert lr == {"ppo": 3e-4, "memopd": base, "memopd_persistent": base, "memopd_self": base}
     assert not any("per_method" in line for line in shells)
@@ -257,12 +263,8 @@ def test_the_second_editions_stack_trains_thirty_runs_at_their_fixed_settings(tm
     runs = {"ppo": range(10), "memopd": range(10), "memopd_persistent": range(5), "memopd_self": range(5)}
     assert sorted(b["wildcards"] for b in _dry_run_blocks(res.stdout)["train"]) == sorted(
         f"method={m}, seed={s}" for m, ss in runs.items() for s in ss)
-    cfgs = {}
-    for line in res.stdout.splitlines():
-        if " train --cfg " in line:
-            train = json.loads(line.split("--cfg ")[1].split(" --method")[0].strip("'"))["train"]
-            cfgs[line.split("--method ")[1].split()[0]] = (train["lr_actor"], train["ppo"]["beta"],
-                                                            train["ppo"]["opd_coef"], train["steps"])
+    cfgs = {m: (train["lr_actor"], train["ppo"]["beta"], train["ppo"]["opd_coef"], train["steps"])
+            for m, train in _train_cfgs(res.stdout).items()}
     assert cfgs["ppo"][:2] == (1e-4, 0.001) and cfgs["ppo"][3] == 150
     assert all(cfgs[m][0] == 3e-4 and cfgs[m][2] == 1.0 and cfgs[m][3] == 150
                for m in ("memopd", "memopd_persistent", "memopd_self")), cfgs
