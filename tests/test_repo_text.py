@@ -69,6 +69,7 @@ HISTORY = [re.compile(p, re.IGNORECASE) for p in (
     r"TODO\(issue",
     r"\bfoundation issue\b",
     r"this project's sessions",
+    r"\b(?:the|this|companion) issue's\b",         # the tracker's issue, unnumbered
 )]
 SESSION = re.compile(r"\bsessions?\b", re.IGNORECASE)
 # "session" as the name of real things (API identifiers such as start_new_session or pytest_sessionstart do
@@ -94,7 +95,8 @@ def test_history_matcher_catches_planted_lines():
                "(iss" "ue #" "3)", "fixed in (#" "12)", "as this sess" "ion found", "the previous sess" "ions' figure",
                "kept until iss" "ue 14", "# TODO(iss" "ue 3): wire the index", "the nine configurations of the foundation issue",
                "no GPU was available to this project's sessions", "a new session of the project",
-               "measured over two session(s)"]
+               "measured over two session(s)",
+               "0-4 for the two controls (the iss" "ue's budget)"]
     for line in planted:
         assert history_hits(line), line
     clean = ["proc = subprocess.Popen(cmd, start_new_session=True)", '@pytest.fixture(scope="session")',
