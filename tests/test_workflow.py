@@ -273,3 +273,33 @@ def test_the_second_editions_stack_trains_thirty_runs_at_their_fixed_settings(tm
         for s in ss:
             assert {b for model, b in evaluated if model == f"{m}_seed{s}"} >= {
                 "q2_test.json", "q4_test.json", "q8_test.json", "q16_test.json", "wikirag_test.json"}, (m, s)
+
+
+def test_design_cs_dev_stack_trains_the_eight_question_curriculum_four_times_longer(tmp_path):
+    """config/study_design_c.yaml over config/study.yaml and config/study_design_b.yaml (docs/study.md, Design C): the
+    scripted teacher writes trajectories for 1-8 questions with a turn budget of n + 4 and 2 passages per search, the
+    student's SFT runs 12,000 steps and the teacher's 9,600 at seq_len 2,560."""
+    stack = [str(ROOT / f"config/{name}.yaml") for name in ("study", "study_design_b", "study_design_c", "study_dev")]
+    res = snakemake("-n", "-p", "--forceall", "-d", str(tmp_path), "results/tables/sft_summary.csv",
+                    "--configfile", *stack)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+    def cfg_of(command):
+        (line,) = [x for x in res.stdout.splitlines() if f" {command} --cfg " in x]
+        return json.loads(line.split("--cfg '")[1].split("' ")[0]), line
+
+    traj, line = cfg_of("sft trajectories")
+    horizons = [f"q{n}_train" for n in range(1, 9)]
+    assert traj["teacher"]["benchmarks"] == horizons and traj["teacher"]["max_tasks"] == 1000
+    assert all(f"results/benchmarks/{b}.parquet" in line for b in horizons)
+    assert {n: traj["agent"]["turns"][f"q{n}"] for n in range(1, 9)} == {n: n + 4 for n in range(1, 9)}
+    assert traj["agent"]["top_k"] == 2
+    sft, _ = cfg_of("sft train --role student")
+    assert sft["seq_len"] == 2048 and sft["student"] == {"steps": 12000}
+    assert {k: sft["teacher"][k] for k in ("steps", "seq_len", "init", "layouts")} == {
+        "steps": 9600, "seq_len": 2560, "init": "student_sft", "layouts": ["exact", "persistent"]}
+    # the teacher keeps the student's budget in tokens (Design B's amendment)
+    assert sft["teacher"]["steps"] * sft["teacher"]["seq_len"] == sft["student"]["steps"] * sft["seq_len"]
+    bench, _ = cfg_of("benchmarks")
+    train_sets = {s["n"]: s["tasks"] for s in bench["qn"]["sets"] if s["split"] == "train"}
+    assert train_sets == {1: 1000, 2: 4000, 3: 1000, 4: 1000, 5: 1000, 6: 1000, 7: 1000, 8: 1000}
