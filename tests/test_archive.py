@@ -1,9 +1,12 @@
 """The runs' archive (memopd report archive / from-archive): the tables rebuilt from it alone are the tables
 built from the runs' own results, byte for byte; a missing or changed file is named."""
 import csv
+import hashlib
 import json
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -177,3 +180,25 @@ def test_the_committed_study_archive_rebuilds_its_runs_means(table, rows, rebuil
     run, rebuilt = _means(COMMITTED / "tables" / f"{table}.csv"), _means(rebuilt_study / "tables" / f"{table}.csv")
     assert len(run) == rows and rebuilt.keys() == run.keys()
     assert all(rebuilt[k] == pytest.approx(run[k], rel=1e-12, abs=1e-15) for k in run), table
+
+
+ARCHIVES = Path(__file__).resolve().parents[1] / "archive"
+
+
+@pytest.mark.parametrize("manifest", sorted(ARCHIVES.rglob("manifest.json")),
+                         ids=lambda p: str(p.parent.relative_to(ARCHIVES)))
+def test_every_committed_archive_holds_the_files_its_manifest_hashes(manifest):
+    """Each dev and test archive's manifest names its files with their SHA-256 (hashlib here, not the writer's)."""
+    files = json.loads(manifest.read_text())["files"]
+    assert files, manifest
+    for name, digest in files.items():
+        assert hashlib.sha256((manifest.parent / name).read_bytes()).hexdigest() == digest, (manifest, name)
+
+
+@pytest.mark.parametrize("tuning", ["study_dev_design_b/tuning_h2", "study_dev_design_c/tuning"])
+def test_the_archived_tuning_runs_give_the_verdicts_their_run_printed(tuning):
+    """Rule 3's check (workflow/scripts/tuning.py) on an archived grid prints what it printed at the run."""
+    d = ARCHIVES / tuning
+    res = subprocess.run([sys.executable, str(ARCHIVES.parent / "workflow/scripts/tuning.py"), "check", "--dev",
+                          str(d / "student"), "--out", str(d)], capture_output=True, text=True, check=True)
+    assert res.stdout == (d / "check.txt").read_text()
