@@ -252,12 +252,11 @@ def test_each_method_trains_on_its_own_seeds_and_settings(tmp_path):
     assert not any("per_method" in line for line in shells)
 
 
-def test_the_second_editions_stack_trains_thirty_runs_at_their_fixed_settings(tmp_path):
-    """config/study_second_edition.yaml over the Design B H = 2 stack (its header's command): ppo and memopd on seeds
-    0-9, the two controls on 0-4, each run's --cfg with its method's rule-3 settings and 150 steps, and every trained
-    run evaluated at Q2, the longer horizons and Wiki-RAG."""
-    stack = [str(ROOT / f"config/{name}.yaml")
-             for name in ("study", "study_design_b", "study_design_b_h2", "study_second_edition")]
+def _test_study_dry_run(tmp_path, names: tuple[str, ...], steps: int) -> str:
+    """The dry run of a test study's stack (the config header's command): ppo and memopd on seeds 0-9, the two
+    controls on 0-4, each run's --cfg with the rule-3 settings (ppo lr 1e-4, beta 0.001; the MemOPD variants lr 3e-4,
+    lambda 1) and `steps`, and every trained run evaluated at Q2, the longer horizons and Wiki-RAG. Its stdout."""
+    stack = [str(ROOT / f"config/{name}.yaml") for name in names]
     res = snakemake("-n", "-p", "--forceall", "-d", str(tmp_path), "results/archive/archive.json", "--configfile", *stack)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     runs = {"ppo": range(10), "memopd": range(10), "memopd_persistent": range(5), "memopd_self": range(5)}
@@ -265,14 +264,30 @@ def test_the_second_editions_stack_trains_thirty_runs_at_their_fixed_settings(tm
         f"method={m}, seed={s}" for m, ss in runs.items() for s in ss)
     cfgs = {m: (train["lr_actor"], train["ppo"]["beta"], train["ppo"]["opd_coef"], train["steps"])
             for m, train in _train_cfgs(res.stdout).items()}
-    assert cfgs["ppo"][:2] == (1e-4, 0.001) and cfgs["ppo"][3] == 150
-    assert all(cfgs[m][0] == 3e-4 and cfgs[m][2] == 1.0 and cfgs[m][3] == 150
+    assert cfgs["ppo"][:2] == (1e-4, 0.001) and cfgs["ppo"][3] == steps
+    assert all(cfgs[m][0] == 3e-4 and cfgs[m][2] == 1.0 and cfgs[m][3] == steps
                for m in ("memopd", "memopd_persistent", "memopd_self")), cfgs
     evaluated = _evaluated(res.stdout)
     for m, ss in runs.items():
         for s in ss:
             assert {b for model, b in evaluated if model == f"{m}_seed{s}"} >= {
                 "q2_test.json", "q4_test.json", "q8_test.json", "q16_test.json", "wikirag_test.json"}, (m, s)
+    return res.stdout
+
+
+def test_the_second_editions_stack_trains_thirty_runs_at_their_fixed_settings(tmp_path):
+    """config/study_second_edition.yaml over the Design B H = 2 stack: 30 runs of 150 steps."""
+    _test_study_dry_run(tmp_path, ("study", "study_design_b", "study_design_b_h2", "study_second_edition"), 150)
+
+
+def test_design_cs_test_stack_trains_thirty_runs_of_fifty_steps_and_evaluates_q8_on_a_hundred_tasks(tmp_path):
+    """config/study_design_c_test.yaml over Design C's stack: 30 runs of 50 steps after the SFT on the 1-8 question
+    curriculum, Q4 and Q8 on 100 test tasks each."""
+    out = _test_study_dry_run(tmp_path, ("study", "study_design_b", "study_design_c", "study_design_c_test"), 50)
+    (bench,) = [line for line in out.splitlines() if " benchmarks --cfg " in line]
+    sets = json.loads(bench.split("--cfg '")[1].split("' ")[0])["qn"]["sets"]
+    assert {s["n"]: s["tasks"] for s in sets if s["split"] == "test"} == {2: 200, 4: 100, 8: 100, 16: 25}
+    assert sorted(s["n"] for s in sets if s["split"] == "train") == list(range(1, 9))
 
 
 def test_design_cs_dev_stack_trains_the_eight_question_curriculum_four_times_longer(tmp_path):
