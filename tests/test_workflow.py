@@ -227,6 +227,12 @@ def _train_cfgs(dry_run_stdout):
             ["train"] for line in shells}
 
 
+def _job_cfg(dry_run_stdout, command):
+    """(the --cfg, the shell line) of the one `memopd COMMAND` job of a `snakemake -n -p` output."""
+    (line,) = [x for x in dry_run_stdout.splitlines() if f" {command} --cfg " in x]
+    return json.loads(line.split("--cfg '")[1].split("' ")[0]), line
+
+
 def test_each_method_trains_on_its_own_seeds_and_settings(tmp_path):
     """train.per_method: ppo on seeds 0-1 at its own lr, memopd on 0-1, the two controls on seed 0. `all` trains those
     six runs; the matched control (no seeds of its own) reads each method's runs, the regularisation control's
@@ -284,8 +290,7 @@ def test_design_cs_test_stack_trains_thirty_runs_of_fifty_steps_and_evaluates_q8
     """config/study_design_c_test.yaml over Design C's stack: 30 runs of 50 steps after the SFT on the 1-8 question
     curriculum, Q4 and Q8 on 100 test tasks each."""
     out = _test_study_dry_run(tmp_path, ("study", "study_design_b", "study_design_c", "study_design_c_test"), 50)
-    (bench,) = [line for line in out.splitlines() if " benchmarks --cfg " in line]
-    sets = json.loads(bench.split("--cfg '")[1].split("' ")[0])["qn"]["sets"]
+    sets = _job_cfg(out, "benchmarks")[0]["qn"]["sets"]
     assert {s["n"]: s["tasks"] for s in sets if s["split"] == "test"} == {2: 200, 4: 100, 8: 100, 16: 25}
     assert sorted(s["n"] for s in sets if s["split"] == "train") == list(range(1, 9))
 
@@ -299,22 +304,18 @@ def test_design_cs_dev_stack_trains_the_eight_question_curriculum_four_times_lon
                     "--configfile", *stack)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
-    def cfg_of(command):
-        (line,) = [x for x in res.stdout.splitlines() if f" {command} --cfg " in x]
-        return json.loads(line.split("--cfg '")[1].split("' ")[0]), line
-
-    traj, line = cfg_of("sft trajectories")
+    traj, line = _job_cfg(res.stdout, "sft trajectories")
     horizons = [f"q{n}_train" for n in range(1, 9)]
     assert traj["teacher"]["benchmarks"] == horizons and traj["teacher"]["max_tasks"] == 1000
     assert all(f"results/benchmarks/{b}.parquet" in line for b in horizons)
     assert {n: traj["agent"]["turns"][f"q{n}"] for n in range(1, 9)} == {n: n + 4 for n in range(1, 9)}
     assert traj["agent"]["top_k"] == 2
-    sft, _ = cfg_of("sft train --role student")
+    sft, _ = _job_cfg(res.stdout, "sft train --role student")
     assert sft["seq_len"] == 2048 and sft["student"] == {"steps": 12000}
     assert {k: sft["teacher"][k] for k in ("steps", "seq_len", "init", "layouts")} == {
         "steps": 9600, "seq_len": 2560, "init": "student_sft", "layouts": ["exact", "persistent"]}
     # the teacher keeps the student's budget in tokens (Design B's amendment)
     assert sft["teacher"]["steps"] * sft["teacher"]["seq_len"] == sft["student"]["steps"] * sft["seq_len"]
-    bench, _ = cfg_of("benchmarks")
+    bench, _ = _job_cfg(res.stdout, "benchmarks")
     train_sets = {s["n"]: s["tasks"] for s in bench["qn"]["sets"] if s["split"] == "train"}
     assert train_sets == {1: 1000, 2: 4000, 3: 1000, 4: 1000, 5: 1000, 6: 1000, 7: 1000, 8: 1000}
