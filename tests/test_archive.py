@@ -162,27 +162,29 @@ def _means(path) -> dict:
     return {tuple(r[k] for k in key): float(r["mean"]) for r in rows if r.get("mean")}
 
 
-COMMITTED = Path(__file__).resolve().parents[1] / "archive" / "study_second_edition"
+ARCHIVES = Path(__file__).resolve().parents[1] / "archive"
+STUDIES = ["study_second_edition", "study_design_c"]  # the committed test studies
+# Rows with a mean in each study's tables: 6 models x 4 horizons (x 1 for Wiki-RAG) x 6 metrics; 4 methods x EM, F1
+ROWS = {"multiobjective": 144, "wikirag": 42, "matched_control": 8}
 
 
 @pytest.fixture(scope="module")
-def rebuilt_study(tmp_path_factory):
-    """The committed second edition's tables rebuilt from its archive alone (every file checked against its SHA-256)."""
-    out = tmp_path_factory.mktemp("study_second_edition")
-    main(["report", "from-archive", "--archive", str(COMMITTED), "--out-dir", str(out)])
-    return out
+def rebuilt_study(request, tmp_path_factory):
+    """A committed test study's tables rebuilt from its archive alone (every file checked against its SHA-256)."""
+    out = tmp_path_factory.mktemp(request.param)
+    main(["report", "from-archive", "--archive", str(ARCHIVES / request.param), "--out-dir", str(out)])
+    return request.param, out
 
 
-@pytest.mark.parametrize("table, rows", [("multiobjective", 144), ("wikirag", 42), ("matched_control", 8)])
-def test_the_committed_study_archive_rebuilds_its_runs_means(table, rows, rebuilt_study):
-    """The tables rebuilt from archive/study_second_edition carry the run's own means (its committed tables/, written
+@pytest.mark.parametrize("rebuilt_study", STUDIES, indirect=True)
+@pytest.mark.parametrize("table", ["multiobjective", "wikirag", "matched_control"])
+def test_the_committed_study_archives_rebuild_their_runs_means(table, rebuilt_study):
+    """The tables rebuilt from a committed study's archive carry the run's own means (its committed tables/, written
     by the run), row for row; the tests beside them are the rebuilding code's."""
-    run, rebuilt = _means(COMMITTED / "tables" / f"{table}.csv"), _means(rebuilt_study / "tables" / f"{table}.csv")
-    assert len(run) == rows and rebuilt.keys() == run.keys()
-    assert all(rebuilt[k] == pytest.approx(run[k], rel=1e-12, abs=1e-15) for k in run), table
-
-
-ARCHIVES = Path(__file__).resolve().parents[1] / "archive"
+    study, out = rebuilt_study
+    run, rebuilt = _means(ARCHIVES / study / "tables" / f"{table}.csv"), _means(out / "tables" / f"{table}.csv")
+    assert len(run) == ROWS[table] and rebuilt.keys() == run.keys()
+    assert all(rebuilt[k] == pytest.approx(run[k], rel=1e-12, abs=1e-15) for k in run), (study, table)
 
 
 @pytest.mark.parametrize("manifest", sorted(ARCHIVES.rglob("manifest.json")),
