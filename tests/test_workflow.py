@@ -220,17 +220,21 @@ def test_a_layered_config_drops_a_horizon_by_null(tmp_path):
     assert ("memopd_persistent_seed0", "wikirag_test.json") in _evaluated(small.stdout)
 
 
+def _cfg(shell_line):
+    """The --cfg JSON of one job's shell line in a `snakemake -n -p` output."""
+    return json.loads(shell_line.split("--cfg '")[1].split("' ")[0])
+
+
 def _train_cfgs(dry_run_stdout):
     """{method: its `train` section} from the --cfg of each `memopd train` command of a `snakemake -n -p` output."""
     shells = [line for line in dry_run_stdout.splitlines() if " train --cfg " in line]
-    return {line.split("--method ")[1].split()[0]: json.loads(line.split("--cfg ")[1].split(" --method")[0].strip("'"))
-            ["train"] for line in shells}
+    return {line.split("--method ")[1].split()[0]: _cfg(line)["train"] for line in shells}
 
 
 def _job_cfg(dry_run_stdout, command):
     """(the --cfg, the shell line) of the one `memopd COMMAND` job of a `snakemake -n -p` output."""
     (line,) = [x for x in dry_run_stdout.splitlines() if f" {command} --cfg " in x]
-    return json.loads(line.split("--cfg '")[1].split("' ")[0]), line
+    return _cfg(line), line
 
 
 def test_each_method_trains_on_its_own_seeds_and_settings(tmp_path):
