@@ -27,20 +27,22 @@ from memopd.plan import commands as plan
 from memopd.report import commands as report
 from memopd.retrieval import commands as retrieval
 from memopd.sft import commands as sft
+from memopd.study import commands as study
 from memopd.train import commands as train
 
 REGISTERS = (commands.register, evaluation.register, generation.register, train.register, report.register, sft.register, audit.register,
-             data.register, retrieval.register, plan.register, prefetch.register)
+             data.register, retrieval.register, plan.register, prefetch.register, study.register)
 GROUPS = {"model": "model checkpoints",
           "report": "tables and figures",
           "sft": "SFT stage: trajectories, examples, training",
           "audit": "alignment audits and ablation tables (config section `audit`)",
           "bench": "benchmarks that print figures",
           "retrieval": "retrieval corpus, index, recall (config section `retrieval`)",
-          "tracking": "MLflow store"}
+          "tracking": "MLflow store",
+          "study": "the controlled study's decision rules"}
 # `memopd --help` lists the commands in pipeline order, whichever package adds them
 LISTED = {"": ("tokenizer", "model", "rce", "eval", "rce-rollouts", "fetch", "train", "report", "sft", "audit", "bench",
-               "benchmarks", "retrieval", "plan", "prefetch", "tracking"),
+               "benchmarks", "retrieval", "plan", "prefetch", "tracking", "study"),
           "bench": ("packing", "decode", "eval", "opd-memory", "index", "sft")}
 BAD_INPUT = (UsageError, DataConfigError, DataFormatError, FileNotFoundError)
 

@@ -42,6 +42,7 @@ try:
     from memopd.methods import METHODS, teacher_model
     from memopd.prefetch import encodings_dir, hub_repos, localize
     from memopd.report.archive import contents as archive_contents
+    from memopd.study.chain import chain_models
 finally:
     sys.path.remove(SRC)
 COMMANDS = command_targets(Path(SRC))  # "audit alignment" -> "memopd.audit.commands:cmd_audit_alignment"

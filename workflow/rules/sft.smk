@@ -131,6 +131,34 @@ rule sft_train:
         "--out {params.outdir} > {log} 2>&1"
 
 
+rule sft_snapshot:
+    # a snapshot of a role's SFT chain (sft.<role>.snapshots: the weights after that step) as a model of its own
+    input:
+        model="results/models/{role}_sft/model.safetensors",
+    output:
+        "results/models/{role}_sft_s{step}/model.safetensors",
+    wildcard_constraints:
+        role="student|teacher",
+        step=r"\d+",
+    params:
+        code=code("sft snapshot"),
+        memopd=MEMOPD,
+        modeldir=lambda w, input: os.path.dirname(input.model),
+        outdir=lambda w, output: os.path.dirname(output[0]),
+    log:
+        f"{LOGS}/sft_snapshot_{{role}}_{{step}}.log",
+    benchmark:
+        f"{LOGS}/bench/sft_snapshot_{{role}}_{{step}}.tsv"
+    threads: job_threads("sft_snapshot")
+    resources:
+        **job_resources("sft_snapshot"),
+    conda:
+        ENV_CPU
+    shell:
+        "{params.memopd} sft snapshot --model {params.modeldir} --step {wildcards.step} --out {params.outdir} "
+        "> {log} 2>&1"
+
+
 rule sft_eval:
     input:
         examples="results/sft/examples.parquet",
@@ -139,7 +167,7 @@ rule sft_eval:
     output:
         "results/sft/heldout_{name}.json",
     wildcard_constraints:
-        name="student_init|student_sft|teacher_sft",
+        name=r"student_init|student_sft|teacher_sft|(student|teacher)_sft_s\d+",
     params:
         code=code("sft eval"),
         memopd=MEMOPD,
@@ -193,7 +221,9 @@ rule bench_sft:
         "--out {output} > {log} 2>&1"
 
 
+# the RL student (train.student) too when it is a snapshot of an SFT chain
 SFT_MODELS = ["student_init", "student_sft", "teacher_sft"]
+SFT_MODELS += [m for m in [config["train"]["student"]] if m not in SFT_MODELS]
 
 
 rule sft_summary:
@@ -223,3 +253,37 @@ rule sft_summary:
     shell:
         "{params.memopd} report sft --names {params.names} --heldout {input.heldout} --eval {input.evals} "
         "--info {params.info} --out {output.csv} > {log} 2>&1"
+
+
+# Design D of the controlled study (memopd.study.chain): the RL student chosen along the SFT chain's snapshots
+SFT_SNAPSHOTS = any(config["sft"][r].get("snapshots") for r in ("student", "teacher"))
+CHAIN_BENCHMARKS = {"reward": "q2_train", "short": "q2_dev", "long": "q8_dev"}
+
+if SFT_SNAPSHOTS:
+
+    rule sft_chain:
+        input:
+            chain=lambda w: expand("results/eval/{model}/{benchmark}.json", model=chain_models(config["sft"]),
+                                   benchmark=list(CHAIN_BENCHMARKS.values())),
+            teacher=expand("results/eval/teacher_sft/{benchmark}.json",
+                           benchmark=[CHAIN_BENCHMARKS["short"], CHAIN_BENCHMARKS["long"]]),
+        output:
+            json="results/tables/sft_chain.json",
+            txt="results/tables/sft_chain.txt",
+        params:
+            code=code("study chain"),
+            memopd=MEMOPD,
+            cfg=cfg_json("sft"),
+            bench=" ".join(f"--{k} {v}" for k, v in CHAIN_BENCHMARKS.items()),
+        log:
+            f"{LOGS}/sft_chain.log",
+        benchmark:
+            f"{LOGS}/bench/sft_chain.tsv"
+        threads: job_threads("sft_chain")
+        resources:
+            **job_resources("sft_chain"),
+        conda:
+            ENV_CPU
+        shell:
+            "{params.memopd} study chain --cfg {params.cfg:q} --eval-dir results/eval --teacher teacher_sft "
+            "{params.bench} --out {output.json} > {log} 2>&1"

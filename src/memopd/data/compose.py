@@ -4,9 +4,10 @@ Pipeline: `plan()` checks the whole `benchmarks` config (sources, files, n vs po
 question pools, so every config error surfaces before anything is written; `compose()` builds the
 tasks; `write()` writes all parquet files and the stats table atomically (all or nothing).
 
-Splits. Every question of a source is assigned to exactly one pool, train or test, once, for all
-benchmarks: a source entry with `pool: train` / `pool: test` goes there whole (an upstream split); an
-entry with `pool: split` (default) is split by a seeded hash of the question id, so the assignment of a
+Splits. Every question of a source is assigned to exactly one pool, train, dev or test, once, for all
+benchmarks: a source entry with `pool: train` / `pool: dev` / `pool: test` goes there whole (an upstream
+split; dev: tasks for choices, kept apart from the test tasks a result is reported on); an entry with
+`pool: split` (default) is split into train and test by a seeded hash of the question id, so the assignment of a
 question never depends on file order or on which other questions are present. Questions are also
 de-duplicated by normalised text within a source. Hence no test question (Q2, Q8, Q16 or Wiki-RAG) is
 ever in a training task, and Wiki-RAG test questions are unseen by a model trained on Q2.
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from memopd.data.loaders import QA, QA_PARSERS, DataConfigError, load_qa, resolve
 
-SPLITS = ("train", "test")
+SPLITS = ("train", "dev", "test")
 COMPOSE_MODES = ("same_source", "mixed")
 TASK_COLUMNS = ("task_id", "benchmark", "split", "n", "source", "question", "answer",
                 "questions", "answers", "qids", "sources", "evidence_titles")
@@ -87,7 +88,7 @@ def check_config(cfg: dict, data_dir: str | Path) -> list[TaskSet]:
             if e.get("format") not in QA_PARSERS:
                 errors.append(f"{key}.format: unknown format {e.get('format')!r} (known: {', '.join(QA_PARSERS)})")
             if e.get("pool", "split") not in ("split", *SPLITS):
-                errors.append(f"{key}.pool: {e.get('pool')!r} is not split, train or test")
+                errors.append(f"{key}.pool: {e.get('pool')!r} is not split, train, dev or test")
             if "path" in e:
                 try:
                     resolve(e["path"], data_dir, f"{key}.path")
@@ -101,7 +102,7 @@ def check_config(cfg: dict, data_dir: str | Path) -> list[TaskSet]:
     for ts in sets:
         where = "benchmarks.wiki_rag" if ts.benchmark == "wikirag" else f"benchmarks.qn ({ts.name})"
         if ts.split not in SPLITS:
-            errors.append(f"{where}: split {ts.split!r} is not train or test")
+            errors.append(f"{where}: split {ts.split!r} is not train, dev or test")
         if ts.n < 1 or ts.tasks < 1:
             errors.append(f"{where}: n and tasks must be positive (n={ts.n}, tasks={ts.tasks})")
         if not ts.sources:
@@ -165,7 +166,7 @@ def load_source(name: str, entries: list[dict], data_dir: str | Path) -> list[tu
 
 
 def load_pools(cfg: dict, data_dir: str | Path, seed: int) -> tuple[dict[str, dict[str, list[QA]]], dict]:
-    """{source: {"train": [...], "test": [...]}} (sorted by id) and counts of duplicates dropped."""
+    """{source: {"train": [...], "dev": [...], "test": [...]}} (sorted by id) and counts of duplicates dropped."""
     pools, dropped = {}, {}
     for name, entries in cfg["sources"].items():
         seen_text, seen_id, pool = set(), set(), {s: [] for s in SPLITS}
@@ -264,11 +265,12 @@ def compose(cfg: dict, data_dir: str | Path, seed: int, log=print) -> tuple[dict
     for s, d in dropped.items():
         log(f"{s}: dropped {d} duplicate questions")
     for s, p in pools.items():
-        log(f"{s}: {len(p['train'])} train / {len(p['test'])} test questions")
+        dev = f" / {len(p['dev'])} dev" if p["dev"] else ""
+        log(f"{s}: {len(p['train'])} train{dev} / {len(p['test'])} test questions")
     check_sizes(sets, pools)
-    train_ids = {q.qid for p in pools.values() for q in p["train"]}
-    test_ids = {q.qid for p in pools.values() for q in p["test"]}
-    assert not train_ids & test_ids, "a question in both pools"  # by construction; cheap to verify
+    ids = {sp: {q.qid for p in pools.values() for q in p[sp]} for sp in SPLITS}
+    for i, a in enumerate(SPLITS):  # by construction; cheap to verify
+        assert not any(ids[a] & ids[b] for b in SPLITS[i + 1:]), "a question in two pools"
     out = {}
     for ts in sets:
         out[ts.name], epochs = compose_set(ts, pools, seed)

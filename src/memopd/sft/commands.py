@@ -7,6 +7,7 @@ they record nothing in MLflow and say so. MLFLOW_TRACKING_URI in the environment
 from __future__ import annotations
 
 import json
+import shutil
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -143,6 +144,31 @@ def stage_repeats(tokenizer_dir: str, tcfg, seed: int) -> list:
     return repeat_examples(ordinary_token_ids(tok), tcfg.repeats, tcfg.repeat_length, sep, tok.eos_token_id, seed)
 
 
+def snapshot_dir(out: str | Path, step: int) -> Path:
+    """Where `sft train` exports the weights after step `step` of `sft.<role>.snapshots` (published to a model
+    directory of its own by `sft snapshot`)."""
+    return Path(out) / "snapshots" / f"step_{step}"
+
+
+def snapshot_writer(model, out: Path, tokenizer, info: dict, rank: int):
+    """The trainer's `snapshot` callback: the weights after a step, with `info` and the step's record in
+    memopd_model.json, written whole or not at all."""
+    from memopd.checkpoint import publish_dir
+    from memopd.harness import export
+
+    def write(step: dict) -> None:
+        d = snapshot_dir(out, step["step"])
+        tmp = d.with_name(d.name + ".tmp")
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        export(model, tmp, tokenizer)
+        if rank == 0:
+            write_json(tmp / "memopd_model.json", {**info, "snapshot": step})
+            publish_dir(tmp, d)
+
+    return write
+
+
 def cmd_sft_train(args, cfg):
     import torch
 
@@ -170,20 +196,22 @@ def cmd_sft_train(args, cfg):
     run_cfg = {"sft": cfg, "role": args.role, "stage": args.stage, "resolved": asdict(tcfg), "seed": args.seed,
                "examples": args.examples, "init": args.init, "world_size": world, "device": str(device)}
     name = f"{args.role}_{'lm' if args.stage == 'pretrain' else 'sft'}"
+    info_path = Path(args.init) / "memopd_model.json"
+    init_info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    base_info = {**init_info, "params": sum(p.numel() for p in model.parameters()), "init": args.init}
+    snapshot = snapshot_writer(model, out, load_tokenizer(args.init), {**base_info, "snapshot_of": name,
+                                                                        "config": asdict(tcfg), "seed": seed}, rank)
     with _tracked(args, f"{args.stage}_{args.role}", run_cfg, f"{args.stage}_train", name, enabled=rank == 0,
                   tags={"method": "pretrain" if args.stage == "pretrain" else "sft", "role": args.role,
                         "benchmark": "sft/" + Path(args.examples).stem}) as run:
         if rank == 0:
             run.log_input(args.examples, "train", name="sft/" + Path(args.examples).stem)
         summary = train(model, train_ex, heldout, tcfg, seed, out / "checkpoint", log=run.log_metrics,
-                        identity=identity)
+                        identity=identity, snapshot=snapshot)
         export(model, out, load_tokenizer(args.init))  # sft.shard fsdp: gathered from the shards (collective)
         if rank == 0:
-            info_path = Path(args.init) / "memopd_model.json"
-            init_info = json.loads(info_path.read_text()) if info_path.exists() else {}
-            info = {**init_info, "params": sum(p.numel() for p in model.parameters()), "init": args.init,
-                    args.stage: {"role": args.role, **summary, "config": asdict(tcfg), "seed": seed,
-                                 "examples": args.examples}}
+            info = {**base_info, args.stage: {"role": args.role, **summary, "config": asdict(tcfg), "seed": seed,
+                                              "examples": args.examples}}
             write_json(out / "memopd_model.json", info)
             run.log_dict(summary, "summary.json")
             run.log_metrics({"train_seconds": summary["train_seconds"]}, summary["steps"])
@@ -196,6 +224,30 @@ def cmd_sft_train(args, cfg):
         heldout = f"held-out target loss {h['target_loss']:.4f}" if h else "no held-out examples"
         print(f"{args.stage} {args.role}: {summary['steps']} steps ({summary['epochs']:.2f} epochs) in "
               f"{summary['train_seconds']:.0f} s; {heldout} -> {out}")
+
+
+def cmd_sft_snapshot(args, cfg):
+    """Publish a snapshot of a finished SFT run as a model directory of its own, after checking that it is this
+    run's (the same fingerprint as the final model's): one written by an earlier run of other settings is refused."""
+    from memopd.checkpoint import publish_dir
+
+    existing(args.model)
+    final = json.loads((Path(args.model) / "memopd_model.json").read_text())
+    src = snapshot_dir(args.model, args.step)
+    if not (src / "memopd_model.json").exists():
+        raise UsageError(f"{args.model}: no snapshot after step {args.step} (sft.<role>.snapshots lists the steps "
+                         f"a run exports; {src} is missing)")
+    snap = json.loads((src / "memopd_model.json").read_text())
+    run = final.get("sft") or final.get("pretrain") or {}
+    if snap["snapshot"]["fingerprint"] != run.get("fingerprint"):
+        raise UsageError(f"{src} is a snapshot of another run (fingerprint {snap['snapshot']['fingerprint']}, the "
+                         f"model's {run.get('fingerprint')}): retrain {args.model}")
+    out = Path(args.out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    publish_dir(tmp, out)
+    print(f"{args.model} after step {args.step} of {run.get('steps')} -> {out}")
 
 
 def cmd_sft_eval(args, cfg):
@@ -310,6 +362,12 @@ def register(cli) -> None:
     sp.add_argument("--examples", required=True)
     sp.add_argument("--init", required=True, help="initial model directory")
     sp.add_argument("--out", required=True, help="output model directory (checkpoints in OUT/checkpoint)")
+
+    sp = cli.add("sft snapshot", cmd_sft_snapshot, "a snapshot of a finished SFT run (sft.<role>.snapshots) -> a model "
+                 "directory of its own")
+    sp.add_argument("--model", required=True, help="the run's model directory (its snapshots under snapshots/)")
+    sp.add_argument("--step", type=int, required=True, help="the optimizer step after which it was taken")
+    sp.add_argument("--out", required=True, help="output model directory")
 
     sp = threads(tracked(cli.add("sft eval", cmd_sft_eval, "held-out target loss of a model")))
     sp.add_argument("--role", required=True, choices=["student", "teacher"], help="whose batch settings to use")

@@ -100,6 +100,7 @@ class TrainConfig:
     repeats: int = 0  # random-token sequences, each repeated, added to the training split (sft.data.repeat_examples)
     repeat_length: tuple[int, int] = (16, 96)  # [min, max] tokens of such a sequence
     layouts: tuple[str, ...] = ("exact",)  # the states of the turn examples trained on (sft.data.LAYOUTS)
+    snapshots: tuple[int, ...] = ()  # optimizer steps after which the weights are also exported (`train(snapshot=)`)
 
     @property
     def dtype(self) -> str:
@@ -122,7 +123,7 @@ class TrainConfig:
         if missing := required - set(merged):
             raise ValueError(f"SFT config lacks {sorted(missing)}")
         merged["betas"] = tuple(merged["betas"])
-        for key in ("repeat_length", "layouts"):
+        for key in ("repeat_length", "layouts", "snapshots"):
             if key in merged:
                 merged[key] = tuple(merged[key])
         cfg = cls(**merged)
@@ -138,6 +139,10 @@ class TrainConfig:
                              f"{2 * cfg.repeat_length[1] + 2} tokens exceeds seq_len {cfg.seq_len}")
         if not cfg.layouts or set(cfg.layouts) - set(LAYOUTS):
             raise ValueError(f"sft layouts {list(cfg.layouts)}: choose one or more of {list(LAYOUTS)}")
+        if list(cfg.snapshots) != sorted(set(cfg.snapshots)) or any(
+                s < 1 or (cfg.steps is not None and s >= cfg.steps) for s in cfg.snapshots):
+            raise ValueError(f"sft snapshots {list(cfg.snapshots)}: increasing steps in [1, steps - 1] (the last "
+                             "step is the model itself)")
         if cfg.shard not in parallel.SHARDING:
             raise ValueError(f"sft.shard {cfg.shard!r}: choose from {parallel.SHARDING}")
         return cfg
@@ -167,8 +172,10 @@ def make_optimizer(model, cfg: TrainConfig, total_steps: int):
 def fingerprint(cfg: TrainConfig, seed: int, examples: list[Episode], world: int, identity: dict) -> str:
     """What a checkpoint must match to be resumed: config, seed, world size, data, initial model."""
     # how the run is laid out is not what it computes: activation checkpointing and replicas (shard none) are
-    # left out; fsdp stores its optimizer state by parameter name, so it is resumed by fsdp runs only
-    config = {k: v for k, v in asdict(cfg).items() if k != "activation_checkpointing" and (k, v) != ("shard", "none")}
+    # left out; fsdp stores its optimizer state by parameter name, so it is resumed by fsdp runs only. Snapshots
+    # count when there are any: a run asked for other ones starts afresh, so that each one is written
+    config = {k: v for k, v in asdict(cfg).items() if k != "activation_checkpointing" and (k, v) != ("shard", "none")
+              and (k, v) != ("snapshots", ())}
     h = hashlib.sha256(json.dumps([config, seed, world, identity], sort_keys=True, default=str).encode())
     for x in examples:
         inv = x.invocations[0]
@@ -201,14 +208,16 @@ def evaluate(model, examples: list[Episode], cfg: TrainConfig) -> dict:
 
 def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConfig, seed: int,
           checkpoint_dir: str | Path, log: Callable[[dict, int], None] | None = None,
-          identity: dict | None = None, stop_after: int | None = None, progress: bool = True) -> dict:
+          identity: dict | None = None, stop_after: int | None = None, progress: bool = True,
+          snapshot: Callable[[dict], None] | None = None) -> dict:
     """Train `model` in place on `examples`; resume from `checkpoint_dir` when it holds a checkpoint of this very
     run (same fingerprint; another run's is replaced). `log(metrics, step)` receives training curves and held-out
     evaluations (rank 0 only). `stop_after=k` returns right after the k-th optimizer step of this call (and its
     checkpoint), keeping nothing else: what a kill leaves behind (resume tests). Returns a summary (steps,
     train_seconds, final held-out evaluation, ...); the checkpoint stays until the caller has exported the model
     (harness.export, then harness.discard). With `cfg.shard` fsdp on several ranks `model` is sharded in place
-    (its parameters become this rank's shards): harness.export gathers it."""
+    (its parameters become this rank's shards): harness.export gathers it. `snapshot({step, steps, fingerprint,
+    train_seconds})` is called (on every rank: an export may be collective) right after each step of `cfg.snapshots`."""
     rank, world, _ = dist_info()
     lengths = [example_len(x) for x in examples]
     for i, n in enumerate(lengths):  # name the offending example before anything runs
@@ -232,6 +241,9 @@ def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConf
     def run_step(i: int) -> str:
         m = step(i)
         done = i + 1
+        if snapshot is not None and done in cfg.snapshots:
+            snapshot({"step": done, "steps": plan.total_steps, "fingerprint": fp,
+                      "train_seconds": harness.extra["train_seconds"]})
         if log and rank == 0 and (done % cfg.log_every == 0 or done == plan.total_steps):
             log(m, done)
         if heldout and cfg.eval_every and done % cfg.eval_every == 0 and done < plan.total_steps:
