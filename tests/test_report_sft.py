@@ -69,3 +69,14 @@ def test_models_evaluated_on_other_tasks_are_refused(tmp_path, capsys):
             _run(tmp_path, ["student_sft", "teacher_sft"], **extra)
         assert e.value.code == 2 and said in capsys.readouterr().err
     assert not (tmp_path / "sft_summary.csv").exists()
+
+
+def test_a_snapshot_counts_its_runs_seconds_up_to_it(tmp_path):
+    tasks = {f"t{i}": float(i % 2) for i in range(10)}
+    for name in ("student_sft", "teacher_sft_s600"):
+        _model(tmp_path, name, tasks)
+    # a snapshot's record keeps the student's SFT (its init) beside its own run up to the snapshot
+    (tmp_path / "info_teacher_sft_s600.json").write_text(json.dumps(
+        {"sft": {"train_seconds": 1.0}, "snapshot": {"step": 600, "train_seconds": 7.5}}))
+    rows, _ = _run(tmp_path, ["student_sft", "teacher_sft_s600"])
+    assert float(rows["teacher_sft_s600"]["train_seconds"]) == 7.5 and float(rows["student_sft"]["train_seconds"]) == 1.0

@@ -300,7 +300,8 @@ def test_design_check_applies_each_threshold_at_its_edge(tmp_path):
 
 
 def test_tuning_picks_the_largest_admissible_lr_then_the_smaller_regulariser():
-    tu = _load("tuning")
+    from memopd.study import tuning as tu
+
     assert len(tu.points()) == 8 and {p.method for p in tu.points()} == {"ppo", "memopd"}
     assert tu.Point("memopd", 3e-4, 1.0).overlay()["train"] == {
         "methods": ["memopd"], "seeds": [100], "steps": 300, "lr_actor": 3e-4, "ppo": {"opd_coef": 1.0}}
@@ -320,7 +321,8 @@ def test_tuning_picks_the_largest_admissible_lr_then_the_smaller_regulariser():
 def test_tuning_steps_rule_finds_where_every_chosen_curve_flattens():
     import random
 
-    tu = _load("tuning")
+    from memopd.study import tuning as tu
+
     rng = random.Random(0)
     noise = [rng.gauss(0, 0.01) for _ in range(300)]
     # rises by 0.2 per block until step 100 (run a) / 150 (run b), flat after: the first block boundary with a
@@ -333,13 +335,39 @@ def test_tuning_steps_rule_finds_where_every_chosen_curve_flattens():
     assert tu.steps_rule([rising]) == 300
 
 
+def test_third_tuning_rule_takes_the_best_dev_f1_then_the_reward_then_the_smaller_lr():
+    from memopd.study import tuning as tu
+
+    grid = tu.points("third")
+    assert len(grid) == 12 and {p.method for p in grid} == {"ppo", "memopd"}
+    assert {p.reg for p in grid if p.method == "ppo"} == {0.001, 0.01, 0.1}
+    assert tu.Point("ppo", 1e-4, 0.1, "third").overlay("teacher_sft_s600")["train"] == {
+        "methods": ["ppo"], "seeds": [100], "steps": 150, "lr_actor": 1e-4, "ppo": {"beta": 0.1},
+        "student": "teacher_sft_s600"}
+
+    def out(lr, reg, f1, last=0.1, ci=(-0.05, 0.05), inv_last=0.02):
+        return tu.Outcome(tu.Point("ppo", lr, reg, "third"), 0.02, inv_last, f1, 0.0, *ci, [0.0] * 50 + [last] * 50)
+
+    runs = [out(1e-4, 0.001, 0.20), out(3e-4, 0.01, 0.25), out(1e-4, 0.1, 0.30, inv_last=0.2)]
+    assert tu.choose(runs, "best_f1").point.reg == 0.01  # 0.30 collapsed: not admissible
+    runs.append(out(1e-4, 0.01, 0.2504, last=0.2))  # the same F1 to three decimals, a higher final reward
+    assert tu.choose(runs, "best_f1").point == tu.Point("ppo", 1e-4, 0.01, "third")
+    runs.append(out(3e-4, 0.1, 0.2496, last=0.2))  # tied again, reward too: the smaller lr
+    assert tu.choose(runs, "best_f1").point == tu.Point("ppo", 1e-4, 0.01, "third")
+    below = [out(1e-4, 0.001, 0.1, ci=(-0.2, -0.1)), out(3e-4, 0.001, 0.05, ci=(-0.3, -0.2))]
+    chosen = tu.choose(below, "best_f1")  # none admissible: the highest dev F1 anyway
+    assert chosen.point.lr == 1e-4 and not chosen.admissible
+    assert runs[0].blocks() == pytest.approx([0.0, 0.1])
+
+
 def test_tuning_reads_an_archived_runs_gzipped_metrics(tmp_path):
     import gzip
 
-    tu = _load("tuning")
+    from memopd.study import tuning as tu
+
     steps = [{"step": i, "reward/em": i / 10} for i in range(3)]
     text = "".join(json.dumps(s) + "\n" for s in steps)
     (tmp_path / "metrics.jsonl.gz").write_bytes(gzip.compress(text.encode()))
-    assert tu._metrics(tmp_path / "metrics.jsonl") == steps
+    assert tu.read_metrics(tmp_path / "metrics.jsonl") == steps
     (tmp_path / "metrics.jsonl").write_text(text[: text.index("\n") + 1])  # the plain file, when there, wins
-    assert tu._metrics(tmp_path / "metrics.jsonl") == steps[:1]
+    assert tu.read_metrics(tmp_path / "metrics.jsonl") == steps[:1]

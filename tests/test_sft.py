@@ -284,6 +284,58 @@ def test_resume_after_interruption_matches_uninterrupted(examples, tmp_path):
     assert sd["step"] == 1  # started from scratch, not from step 3
 
 
+def test_snapshots_are_the_weights_after_their_steps(examples, tmp_path):
+    train_ex, held = split_heldout(examples, CFG.eval_fraction, 0)
+    cfg = replace(CFG, snapshots=(3, 5))
+    snaps = {}
+
+    def keep(info):
+        snaps[info["step"]] = ({k: v.clone() for k, v in model.state_dict().items()}, info)
+
+    model = tiny()
+    full = train(model, train_ex, held, cfg, 0, tmp_path / "full", progress=False, snapshot=keep)
+    assert sorted(snaps) == [3, 5] and all(i["steps"] == 8 and i["fingerprint"] == full["fingerprint"]
+                                           for _, i in snaps.values())
+    for step in (3, 5):  # the same run cut after `step` steps: its weights are the snapshot's
+        cut = tiny()
+        train(cut, train_ex, held, cfg, 0, tmp_path / f"cut{step}", progress=False, stop_after=step)
+        for k, v in cut.state_dict().items():
+            assert torch.equal(v, snaps[step][0][k]), (step, k)
+    with pytest.raises(ValueError, match="snapshots"):
+        TrainConfig.from_section({**TINY_SFT, "student": {"steps": 4, "snapshots": [4]}}, "student")
+    with pytest.raises(ValueError, match="snapshots"):
+        TrainConfig.from_section({**TINY_SFT, "student": {"steps": 9, "snapshots": [5, 2]}}, "student")
+
+
+def test_snapshot_cli_publishes_the_runs_own_snapshot_only(tmp_path, capsys):
+    from memopd.cli import main
+    from memopd.models import load_model, train_tokenizer
+    from memopd.records import save_episodes
+
+    init = tmp_path / "init"
+    tiny().save_pretrained(init)
+    train_tokenizer([f"word{i} thing{i % 7}" for i in range(200)], 300, init)
+    save_episodes(tmp_path / "ex.parquet", turn_examples(episodes(), min_reward=0.5)[0])
+    sft = {**TINY_SFT, "seq_len": 160, "student": {"steps": 4, "snapshots": [2, 3]}}
+    main(["sft", "train", "--cfg", json.dumps(sft), "--seed", "1", "--threads", "1", "--role", "student",
+          "--examples", str(tmp_path / "ex.parquet"), "--init", str(init), "--out", str(tmp_path / "sft")])
+    main(["sft", "snapshot", "--model", str(tmp_path / "sft"), "--step", "2", "--out", str(tmp_path / "s2")])
+    rec = json.loads((tmp_path / "s2" / "memopd_model.json").read_text())
+    final = json.loads((tmp_path / "sft" / "memopd_model.json").read_text())
+    assert rec["snapshot"]["step"] == 2 and rec["snapshot"]["fingerprint"] == final["sft"]["fingerprint"]
+    s2, last = load_model(tmp_path / "s2"), load_model(tmp_path / "sft")
+    assert any(not torch.equal(a, b) for a, b in zip(s2.parameters(), last.parameters()))
+    capsys.readouterr()
+    for step, why in ((5, "no snapshot after step 5"), (3, "another run")):
+        if step == 3:  # a snapshot left by a run of other settings
+            path = tmp_path / "sft" / "snapshots" / "step_3" / "memopd_model.json"
+            path.write_text(json.dumps({**rec, "snapshot": {**rec["snapshot"], "fingerprint": "0" * 16}}))
+        with pytest.raises(SystemExit) as e:
+            main(["sft", "snapshot", "--model", str(tmp_path / "sft"), "--step", str(step), "--out",
+                  str(tmp_path / f"s{step}")])
+        assert e.value.code == 2 and why in capsys.readouterr().err and not (tmp_path / f"s{step}").exists()
+
+
 def test_training_lowers_the_target_loss(examples):
     cfg = replace(CFG, steps=30, lr=1e-2, warmup_steps=3, eval_every=0, checkpoint_every=1000)
     model = tiny()
@@ -541,7 +593,9 @@ def test_fingerprint_is_what_the_run_computes_not_how_it_is_laid_out(examples):
         assert fingerprint(replace(CFG, **changed), 0, examples, 1, ids) != base, changed
     assert fingerprint(replace(CFG, activation_checkpointing=True), 0, examples, 1, ids) == base
     assert fingerprint(replace(CFG, shard="fsdp"), 0, examples, 1, ids) != base  # its optimizer state differs
-    config = {k: v for k, v in asdict(CFG).items() if k not in ("activation_checkpointing", "shard")}
+    assert fingerprint(replace(CFG, snapshots=(2,)), 0, examples, 1, ids) != base  # each asked snapshot written
+    # no snapshots: the identity of a run before the field existed (its checkpoints still resume)
+    config = {k: v for k, v in asdict(CFG).items() if k not in ("activation_checkpointing", "shard", "snapshots")}
     h = hashlib.sha256(json.dumps([config, 0, 1, ids], sort_keys=True, default=str).encode())
     for x in examples:
         inv = x.invocations[0]

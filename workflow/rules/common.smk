@@ -221,6 +221,22 @@ def train_teacher(wildcards):
     return {"teacher": f"results/models/{model}/model.safetensors"} if model else {}
 
 
+def merged_config(files):
+    """A config as Snakemake merges its files (mapping by mapping, the later file wins): what the nested workflow
+    of rule study sees."""
+    import yaml
+
+    def merge(a, b):
+        return {**a, **{k: merge(a[k], v) if isinstance(a.get(k), dict) and isinstance(v, dict) else v
+                        for k, v in b.items()}}
+
+    out = {}
+    for f in files:
+        with open(f) as fh:
+            out = merge(out, yaml.safe_load(fh) or {})
+    return out
+
+
 def model_init_inputs(w):
     """Tiny models need the tokenizer trained here; pretrained ones bring their own (so the tokenizer step
     is not part of the paper-scale DAG), and one built by this pipeline (results/models/...) is an input."""

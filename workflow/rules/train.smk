@@ -149,6 +149,34 @@ rule training_curves:
         "> {log} 2>&1"
 
 
+if config.get("claims"):
+
+    rule claims:
+        # the paper's claims over seeds, the primaries declared in config `claims` Holm-adjusted together
+        input:
+            evals=expand("results/eval/{model}/{benchmark}.json", model=TRAINED,
+                         benchmark=[config["claims"]["short"], config["claims"]["long"]]),
+        output:
+            csv=report("results/tables/claims.csv", caption=caption("claims"), category=REPORT_TRAINING,
+                       subcategory="claims"),
+            md="results/tables/claims.md",
+        params:
+            code=code("study claims"),
+            memopd=MEMOPD,
+            cfg=json.dumps({"train": TRAIN_RUN, "claims": config["claims"]}, sort_keys=True),
+        log:
+            f"{LOGS}/claims.log",
+        benchmark:
+            f"{LOGS}/bench/claims.tsv"
+        threads: job_threads("claims")
+        resources:
+            **job_resources("claims"),
+        conda:
+            ENV_CPU
+        shell:
+            "{params.memopd} study claims --cfg {params.cfg:q} --eval-dir results/eval --out {output.csv} > {log} 2>&1"
+
+
 rule archive:
     # what the result tables read (every run's evaluations and training metrics, the SFT models' evaluations), small
     # enough to commit: `memopd report from-archive --archive results/archive --out-dir DIR` rebuilds the tables

@@ -13,8 +13,10 @@ from memopd.outputs import write_table
 
 
 def model_row(name: str, heldout: dict, ev: dict, info: dict) -> dict:
-    # train_seconds: SFT only; pretrain_seconds: the LM pre-training stage before it (0: none)
-    return {"model": name, "params": heldout["params"], "train_seconds": info.get("sft", {}).get("train_seconds", 0.0),
+    # train_seconds: SFT only (a snapshot of an SFT run: that run's seconds up to it); pretrain_seconds: the LM
+    # pre-training stage before it (0: none)
+    sft = info["snapshot"] if "snapshot" in info else info.get("sft", {})
+    return {"model": name, "params": heldout["params"], "train_seconds": sft.get("train_seconds", 0.0),
             "heldout_target_loss": heldout["heldout_target_loss"], "invalid_action_rate": ev["invalid_action_rate"],
             "em": ev["em"], "f1": ev["f1"], "pretrain_seconds": info.get("pretrain", {}).get("train_seconds", 0.0),
             "calls_per_episode": ev["calls_per_episode"], "answered_rate": ev["answered_rate"],

@@ -27,7 +27,43 @@ def cmd_study_chain(args, cfg):
     Path(args.out).with_suffix(".txt").write_text("\n".join(lines) + "\n")
 
 
+def cmd_study_claims(args, cfg):
+    """results/tables/claims.{csv,md}: the paper's claims over seeds (memopd.study.claims), the primaries of
+    `claims.primary` Holm-adjusted together. --cfg: {"train": the train section, "claims": the claims section}."""
+    claims_table(cfg, args.eval_dir, args.out)
+
+
+def claims_table(cfg: dict, eval_dir: str | Path, out: str | Path) -> list[dict]:
+    from memopd.config import method_seeds
+    from memopd.outputs import print_table, write_table
+    from memopd.report.results import load_scores, seeds_words
+    from memopd.stats import VERDICT_RULE
+    from memopd.study.claims import claim_notes, claim_rows
+
+    require(cfg, "train", "claims")
+    train, claims = cfg["train"], cfg["claims"]
+    require(claims, "primary", "short", "long")
+    seeds = method_seeds(train)
+    scores = load_scores(eval_dir, seeds, [claims["short"], claims["long"]])
+    f1 = {k: {s: r["f1"] for s, r in v.items()} for k, v in scores.items()}
+    rows = claim_rows(f1, list(claims["primary"]), claims["short"], claims["long"])
+    caption = (f"The paper's claims over seeds ({seeds_words(seeds)}; F1, greedy): the primaries declared before the "
+               f"run ({', '.join(claims['primary'])}) Holm-adjusted together (p_holm), the others secondary; each "
+               f"claim's estimate with its 95% interval and exact two-sided p (the same seeds: paired t interval and "
+               f"sign-flip p over the sign patterns; else Welch's interval and the permutation p over the splits; a "
+               f"growth: per seed, long minus short horizon, t interval and sign-flip p); noise: {VERDICT_RULE}, "
+               f"by p_holm for a primary; paper_pct: the paper's relative change where it reports one")
+    write_table(rows, out, caption, notes=claim_notes(rows))
+    print_table(rows, out)
+    return rows
+
+
 def register(cli) -> None:
+    register_tuning(cli)
+    sp = cli.add("study claims", cmd_study_claims, "the paper's claims over seeds, the declared primaries Holm-"
+                 "adjusted together (--cfg: {train, claims})")
+    sp.add_argument("--eval-dir", required=True, help="results/eval: {method}_seed{seed}/{benchmark}.json")
+    sp.add_argument("--out", required=True, help="CSV (and .md beside it)")
     sp = cli.add("study chain", cmd_study_chain, "Design D: the RL student chosen along the SFT chain (--cfg: the "
                  "`sft` section)")
     sp.add_argument("--eval-dir", required=True, help="results/eval: {model}/{benchmark}.json and .csv")
@@ -36,3 +72,24 @@ def register(cli) -> None:
     sp.add_argument("--short", default="q2_dev", help="the short horizon's dev tasks")
     sp.add_argument("--long", default="q8_dev", help="the long horizon's dev tasks")
     sp.add_argument("--out", required=True, help="JSON of every condition and the choice (and .txt beside it)")
+
+
+def cmd_study_tuning(args, cfg):
+    """The tuning rule's verdicts on a grid of dev runs (memopd.study.tuning): printed, exit 0 whatever they say."""
+    from memopd.study.tuning import check
+
+    existing(args.dev, args.out)
+    print("\n".join(check(Path(args.dev), Path(args.out), args.reward, args.rule, args.benchmark, args.student)))
+
+
+def register_tuning(cli) -> None:
+    from memopd.study.tuning import RULES
+
+    sp = cli.add("study tuning", cmd_study_tuning, "symmetric tuning: each grid run's figures, each method's choice "
+                 "and the steps")
+    sp.add_argument("--dev", required=True, help="the dev run's directory (with results/): the student's evaluation")
+    sp.add_argument("--out", required=True, help="the grid's directory: one directory per grid point")
+    sp.add_argument("--rule", default="second", choices=sorted(RULES), help="the edition of the rule")
+    sp.add_argument("--benchmark", default="q2_test", help="the dev tasks' evaluation (q2_test of a dev-pool run)")
+    sp.add_argument("--student", default="student_sft", help="the SFT student the runs start from")
+    sp.add_argument("--reward", default="reward/em", help="the training reward's metric")
