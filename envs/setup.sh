@@ -21,7 +21,13 @@ if [ ! -f "$stamp" ] || [ envs/requirements-cpu.txt -nt "$stamp" ] || [ envs/req
 import re
 try:
     import torch
-except ImportError:
+except ModuleNotFoundError as e:
+    if e.name != "torch":  # torch is there, a module it needs is not: a broken install, never replaced silently
+        print(f"keep its broken install (its import fails: {type(e).__name__}: {e}; fix or remove it)")
+    raise SystemExit
+except Exception as e:  # installed, but its import fails (e.g. a CUDA library path): keep it and say why
+    why = str(e).splitlines()[0][:200] if str(e) else ""
+    print(f"keep its broken install (its import fails: {type(e).__name__}: {why}; fix or remove it)")
     raise SystemExit
 pin = re.search(r"^torch==(\S+)", open("envs/requirements-cpu.txt").read(), re.M).group(1)
 num = lambda v: tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
@@ -30,7 +36,10 @@ if torch.version.cuda or num(torch.__version__) > num(pin):
 PY
 )
   if [ -n "$keep" ]; then
-    echo "envs/setup.sh: keeping the installed torch ${keep#keep } (CUDA or newer than the CPU pin)"
+    case $keep in
+      "keep its broken"*) echo "envs/setup.sh: keeping the installed torch, ${keep#keep its }" ;;
+      *) echo "envs/setup.sh: keeping the installed torch ${keep#keep } (CUDA or newer than the CPU pin)" ;;
+    esac
     req=.venv/requirements-without-torch.txt
     grep -v -E '^torch==' envs/requirements-cpu.txt > "$req"
   elif [ -n "${TORCH_INDEX_URL:-}" ]; then

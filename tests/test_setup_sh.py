@@ -22,6 +22,8 @@ if [ "$1" = "-" ]; then  # the script on stdin, run by a real python with a fake
   mkdir -p "$FAKE_DIR/torch"
   printf 'import types\\n__version__ = "%s"\\nversion = types.SimpleNamespace(cuda=%s)\\n' \\
     "${FAKE_TORCH% *}" "${FAKE_TORCH#* }" > "$FAKE_DIR/torch/__init__.py"
+  [ "$FAKE_TORCH" = "broken" ] && echo 'raise OSError("libcudart.so.12: cannot open shared object file")' \\
+    > "$FAKE_DIR/torch/__init__.py"
   [ "$FAKE_TORCH" = "none" ] && rm -rf "$FAKE_DIR/torch"
   PYTHONPATH="$FAKE_DIR" exec "$REAL_PYTHON" -
 fi
@@ -31,7 +33,8 @@ echo "memopd env ready (fake)"
 
 @pytest.mark.parametrize("torch_build, pinned", [("2.14.0+cu128 '12.8'", False), ("2.13.0+cu126 '12.6'", False),
                                                  ("2.15.0 None", False), ("2.13.0+cpu None", True),
-                                                 ("2.12.1 None", True), ("none", True)])
+                                                 ("2.12.1 None", True), ("none", True),
+                                                 ("broken", False)])
 def test_setup_keeps_a_cuda_or_newer_torch(tmp_path, torch_build, pinned):
     for name in ("envs", "pyproject.toml"):
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, tmp_path / name)
@@ -48,3 +51,5 @@ def test_setup_keeps_a_cuda_or_newer_torch(tmp_path, torch_build, pinned):
     assert (pin in given) is pinned, given
     assert "-e .[workflow,test,embedded,dense]" in given  # the rest goes in either way
     assert ("keeping the installed torch" in out.stdout) is (not pinned)
+    if torch_build == "broken":  # a CUDA torch whose import fails: kept, and the reason said
+        assert "its import fails: OSError: libcudart.so.12" in out.stdout

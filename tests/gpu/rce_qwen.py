@@ -1,11 +1,13 @@
 """The bf16 RCE guard on Qwen2.5-0.5B-Instruct (a trained model: logits of trained magnitude) on the GPU, under bf16
 autocast over fp32 weights as the training guard runs: every exact path passes, a pack read one position early
-fails. Exit 75 (skip) when the weights are not in the Hugging Face cache."""
+fails. Exit 75 (skip) only without a CUDA GPU or the weights in the Hugging Face cache (tests/gpu/absent.py)."""
 from __future__ import annotations
 
 import os
 import random
 import sys
+
+from absent import SKIP, cached_weights, no_cuda
 from dataclasses import replace
 
 MODEL = os.environ.get("GPU_CHECK_RCE_MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
@@ -13,13 +15,12 @@ MODEL = os.environ.get("GPU_CHECK_RCE_MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
 
 def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        from huggingface_hub import snapshot_download
-
-        path = snapshot_download(MODEL, local_files_only=True)
-    except Exception as e:  # not cached: nothing to check
-        print(f"skip: {type(e).__name__}: {e}")
-        return 75
+    path, why = None, no_cuda()
+    if not why:
+        path, why = cached_weights(MODEL)
+    if why:  # no GPU, or the weights not cached: nothing to check (any other error fails the check)
+        print(f"skip: {why}")
+        return SKIP
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -1,11 +1,14 @@
 """vLLM sleep -> allocation -> wake-up -> weight update, as a training step runs it (generation/weight_sync.py): the engine
 sleeps, the update takes ~60 GB (GPU_CHECK_ALLOC_GB) and frees it, the engine wakes and takes the policy's weights.
 With `free_cached_memory` (empty_cache) first the wake-up must succeed; without it PyTorch's allocator still holds the
-60 GB, and the outcome is reported. Exit 75 (skip) without vllm or the model's weights in the Hugging Face cache."""
+60 GB, and the outcome is reported. Exit 75 (skip) only without vllm installed, a CUDA GPU or the model's weights in
+the Hugging Face cache (tests/gpu/absent.py); an installed vllm that fails to import fails the check."""
 from __future__ import annotations
 
 import os
 import sys
+
+from absent import SKIP, cached_weights, missing_package, no_cuda
 
 MODEL = os.environ.get("GPU_CHECK_MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
 
@@ -39,14 +42,17 @@ def cycle(llm, sync, policy, gb: float, empty: bool) -> tuple[str, str]:
 def main() -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import vllm  # noqa: F401
-        from huggingface_hub import snapshot_download
+    if why := missing_package("vllm"):  # an optional package: nothing to check without it
+        print(f"skip: {why}")
+        return SKIP
+    import vllm  # noqa: F401  installed: an import that fails is a failure of the check, not a skip
 
-        path = snapshot_download(MODEL, local_files_only=True)
-    except Exception as e:  # no vllm here, or the weights are not cached: nothing to check
-        print(f"skip: {type(e).__name__}: {e}")
-        return 75
+    path, why = None, no_cuda()
+    if not why:
+        path, why = cached_weights(MODEL)
+    if why:
+        print(f"skip: {why}")
+        return SKIP
     from transformers import AutoModelForCausalLM
 
     from memopd.config import RolloutConfig

@@ -113,8 +113,9 @@ def model_role(name: str) -> str:
 
 
 def load_config(paths: list[str]) -> dict:
-    """YAML config files merged in order, as Snakemake merges --configfile (later keys win, dicts deep)."""
-    import yaml
+    """YAML config files merged in order, as Snakemake merges --configfile (later keys win, dicts deep), and
+    validated against the workflow's schema: a bad file or key is a UsageError naming it (memopd.schema)."""
+    from memopd.schema import read_yaml, validate
 
     def merge(a, b):
         return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
@@ -122,5 +123,6 @@ def load_config(paths: list[str]) -> dict:
 
     cfg: dict = {}
     for p in paths:
-        cfg = merge(cfg, yaml.safe_load(Path(p).read_text()))
+        cfg = merge(cfg, read_yaml(p))
+    validate(cfg)
     return cfg
