@@ -101,3 +101,42 @@ def test_memopd_device_cpu_keeps_a_process_off_a_visible_gpu(monkeypatch):
     assert dist.setup_distributed() == torch.device("cpu") and chosen == []
     monkeypatch.delenv("MEMOPD_DEVICE")
     assert dist.setup_distributed() == torch.device("cuda", 0) and chosen == [0]
+
+
+LISTENER = """
+import os
+import torch.distributed as tdist
+from memopd.dist import one_process_group
+
+def listening():
+    inodes = {os.readlink(f"/proc/self/fd/{fd}")[8:-1] for fd in os.listdir("/proc/self/fd")
+              if os.path.exists(f"/proc/self/fd/{fd}") and os.readlink(f"/proc/self/fd/{fd}").startswith("socket:[")}
+    out = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(name).read().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # LISTEN, one of this process's sockets
+                out.append(f[1].split(":")[0])
+    return out
+
+one_process_group("gloo", 1)
+print(listening())
+tdist.destroy_process_group()
+"""
+
+
+def test_a_one_process_group_listens_on_no_network_interface():
+    """Its addresses in /proc/net/tcp(6): loopback only (0100007F = 127.0.0.1), never the wildcard address."""
+    import ast
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/net/tcp"):
+        import pytest
+
+        pytest.skip("no /proc/net/tcp here")
+    r = subprocess.run([sys.executable, "-c", LISTENER], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")})
+    assert r.returncode == 0, r.stderr
+    addresses = ast.literal_eval(r.stdout.strip().splitlines()[-1])
+    assert all(a == "0100007F" for a in addresses), addresses

@@ -133,10 +133,11 @@ def test_a_finished_run_deletes_its_checkpoint_unless_kept(setup, tmp_path):
         assert yaml.safe_load((ROOT / "config" / name).read_text())["train"]["keep_checkpoint"] is False
 
 
-def test_a_failure_after_the_last_step_loses_no_step(setup, tmp_path, monkeypatch):
-    """A tracking store that fails at the end (every write once training is over) costs nothing: the failure is
-    retried, reported and skipped, the model exported. A failure that does end the job after the last step (the
-    export's copy) leaves the checkpoint, and the rerun completes without training a step."""
+def test_a_failure_after_the_last_step_loses_no_step(setup, tmp_path, monkeypatch, capsys):
+    """A tracking store that fails at the end (every write once training is over) costs the job at most its
+    tracking.end_timeout_s: the records are kept in the spool, the model exported. A failure that does end the job
+    after the last step (the export's copy) is one line, exit 2, and leaves the checkpoint: the rerun completes
+    without training a step."""
     import shutil
 
     import memopd.tracking as tracking
@@ -146,22 +147,26 @@ def test_a_failure_after_the_last_step_loses_no_step(setup, tmp_path, monkeypatc
     short = {**cfg, "train": {**cfg["train"], "steps": 2, "keep_checkpoint": False}}
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     tracking.init_store(uri, "memopd")
-    monkeypatch.setattr(tracking, "CALL_FIRST_S", 0.0)
 
     def down(*a, **kw):
         raise ConnectionError("tracking server unreachable")
 
     monkeypatch.setattr(MlflowClient, "log_artifact", down)  # the run's last writes: artifact, then its end
     monkeypatch.setattr(MlflowClient, "set_terminated", down)
-    track = json.dumps({"uri": uri, "experiment": "memopd"})
+    track = json.dumps({"uri": uri, "experiment": "memopd", "spool": str(tmp_path / "spool"), "end_timeout_s": 2})
     _train_cli(setup, short, tmp_path / "run", "--tracking", track)
     assert (tmp_path / "run/model/model.safetensors").exists() and not (tmp_path / "run/checkpoint").exists()
+    assert len(list((tmp_path / "spool").glob("*.jsonl"))) == 1  # the unsent end, kept for `tracking replay`
     monkeypatch.undo()
 
     copies = []
     monkeypatch.setattr(shutil, "copytree", lambda *a, **kw: copies.append(a) or (_ for _ in ()).throw(OSError("disk full")))
-    with pytest.raises(OSError, match="disk full"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
         _train_cli(setup, short, tmp_path / "late", "--export", str(tmp_path / "exported"))
+    err = capsys.readouterr().err.strip().splitlines()  # after the weights' loading bars: one line, no traceback
+    assert e.value.code == 2 and err[-1].startswith("memopd train: --export ") and "disk full" in err[-1]
+    assert not any("Traceback" in x for x in err)
     assert copies and (tmp_path / "late/checkpoint/state.pt").exists()  # trained, not exported: kept
     model = load_file(tmp_path / "late/model/model.safetensors")
     monkeypatch.undo()

@@ -96,22 +96,23 @@ def cmd_tracking_init(args, cfg):
 
 
 def cmd_tracking_replay(args, cfg):
-    """A run's metrics.jsonl into the store as a new run (the steps a tracking failure left out of MLflow)."""
-    from memopd.tracking import resolve_uri, start_run
+    """What jobs could not send to the tracking store (their spools: memopd.spool), sent now into the same runs;
+    --cfg {"uri": ...} sends them to another address of the store (a server that moved)."""
+    from memopd.spool import replay, spool_files
 
-    require(cfg, "uri", "experiment")
-    lines = [json.loads(x) for x in Path(args.metrics).read_text().splitlines() if x.strip()]
-    uri = resolve_uri(cfg["uri"], cfg.get("sqlite_in_slurm_jobs", False))
-    first = lines[0] if lines else {}
-    with start_run(uri, cfg["experiment"], args.run_name, {}, stage="train", model=args.run_name,
-                   seed=first.get("seed", -1), tags={"method": first.get("method", ""),
-                                                     "replayed_from": str(Path(args.metrics).resolve())}) as run:
-        for i, m in enumerate(lines):
-            run.log_metrics({k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
-                            m.get("step", i))
-    print(f"tracking replay: {len(lines)} steps of {args.metrics} -> run {run.run_id} in {uri}")
-    if run.failures:  # a replay is the last chance to record them: a failed write fails the command
-        sys.exit(f"tracking replay: {len(run.failures)} writes failed ({run.failures[0]})")
+    files = spool_files(args.spool)
+    existing(*files)
+    failed = []
+    for f in files:
+        try:
+            run_id = replay(f, cfg.get("uri"))
+        except (ConnectionError, ValueError) as e:
+            failed.append(str(e))
+            print(f"tracking replay: {e}", file=sys.stderr)
+            continue
+        print(f"tracking replay: {f} -> run {run_id}")
+    if failed:  # a replay is the last chance to record them: a failed one fails the command
+        raise UsageError(f"{len(failed)} of {len(files)} spools not sent (kept): {failed[0]}")
 
 
 def register(cli) -> None:
@@ -136,6 +137,6 @@ def register(cli) -> None:
     sp = cli.add("tracking init", cmd_tracking_init, "create the MLflow store and experiment once, before parallel jobs")
     sp.add_argument("--out", required=True, help="JSON record of the store")
     sp = cli.add("tracking replay", cmd_tracking_replay,
-                 "record a run's metrics.jsonl as a new MLflow run (--cfg: the tracking section)")
-    sp.add_argument("--metrics", required=True, help="a training run's metrics.jsonl")
-    sp.add_argument("--run-name", required=True)
+                 "send what jobs could not send to the MLflow store into the same runs (their spools)")
+    sp.add_argument("--spool", nargs="+", required=True, help="spool files (*.jsonl) or directories holding them "
+                    "(tracking.spool, default results/tracking/spool)")

@@ -40,6 +40,15 @@ def setup_distributed(timeout_min: float = TIMEOUT_MIN) -> torch.device:
     return device
 
 
+def one_process_group(backend: str, timeout_min: float = TIMEOUT_MIN) -> None:
+    """A process group of this process alone (a one-rank FSDP run) that listens on no network interface: its store
+    is in-process (torch's env:// store would listen on every interface at MASTER_PORT) and gloo's own socket is
+    put on the loopback device."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1,
+                             timeout=timedelta(minutes=timeout_min))
+
+
 def rank_threads(threads: int | None) -> None:
     """Give this rank its share of the job's `threads` CPUs (0 or None: torch's default). Snakemake exports
     OMP_NUM_THREADS = the job's threads and torchrun keeps it, so without this every rank of a node would run

@@ -1,6 +1,7 @@
-"""The run harness of every trainer (SFT, pre-training, PPO / MemOPD): a run's identity and resume, checkpoint
-cadence and storage, RNG state, the step loop with `stop_after` and progress with time left, and the export of
-the final model. The trainers keep only what a step computes.
+"""The run harness of every trainer (SFT, pre-training, PPO / MemOPD): the job around a run (`job`: threads, process
+group, tracking, teardown and the checkpoint's release, in one order for every kind of run), a run's identity and
+resume, checkpoint cadence and storage, RNG state, the step loop with `stop_after` and progress with time left, and
+the export of the final model. The trainers keep only what a step computes.
 
 A checkpoint directory holds
   {part}.safetensors  each trained model's whole weights (checkpoint.save_tensors: tied ones once)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -27,7 +29,7 @@ import torch
 from memopd import parallel
 from memopd.checkpoint import (PendingSave, is_sharded, load_sharded, load_tensors, publish_dir, read_state,
                                rng_state, save_sharded, save_tensors, set_rng_state)
-from memopd.dist import dist_info
+from memopd.dist import TIMEOUT_MIN, dist_info
 from memopd.progress import Progress
 
 
@@ -224,3 +226,42 @@ def discard(checkpoint: str | Path, keep: bool = False) -> None:
     unless the run keeps it (rank 0 deletes it)."""
     if dist_info()[0] == 0 and not keep:
         shutil.rmtree(checkpoint, ignore_errors=True)
+
+
+@dataclass
+class Job:
+    """What `job` gives its body: the tracked run (rank 0; a NullRun on the others), this rank, the world size, the
+    device, and `done(checkpoint)`: the body has exported its model and written its records."""
+    run: object
+    rank: int
+    world: int
+    device: object
+    release: tuple[Path, bool] | None = None
+
+    def done(self, checkpoint: str | Path, keep: bool = False) -> None:
+        """Let `checkpoint` go at the very end of the job (unless `keep`)."""
+        self.release = (Path(checkpoint), keep)
+
+
+@contextmanager
+def job(tracking: str | None, run_name: str, config: dict, stage: str, model: str, seed: int, *, tags: dict | None = None,
+        threads: int = 0, dist_timeout_min: float = TIMEOUT_MIN):
+    """Everything around a trainer's run, in one order for SFT, pre-training and PPO / MemOPD: this rank's threads
+    and the process group; the tracked run (rank 0); the body (train, export, records; it calls `done`); then the
+    run's final records, the process group's teardown and, last of all, the checkpoint's release. A failure or a
+    kill anywhere before the release leaves the checkpoint, so the job's retry resumes at its last step and trains
+    nothing again."""
+    from memopd.dist import rank_threads, setup_distributed
+    from memopd.tracking import NullRun, tracked
+
+    rank_threads(threads)
+    device = setup_distributed(dist_timeout_min)
+    rank, world, _ = dist_info()
+    scope = Job(NullRun(), rank, world, device)
+    with tracked(tracking, run_name, config, stage, model, seed, tags=tags) if rank == 0 else nullcontext(NullRun()) as run:
+        scope.run = run
+        yield scope
+    if world > 1 and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if scope.release is not None:
+        discard(*scope.release)

@@ -19,24 +19,29 @@ fresh SQLite store's schema when the first client opens it, and several processe
 break it ("table _alembic_tmp_latest_metrics already exists", measured with 8 jobs). So the store and
 the experiment are created exactly once by `memopd tracking init` (`init_store`), which every
 tracking job depends on, and `start_run` refuses to create a SQLite store itself. After that, SQLite
-serialises the writers; a write that still meets "database is locked" is retried with back-off.
-Metrics are buffered and written in batches (one transaction each) to keep the writes few.
-`MLFLOW_TRACKING_URI` from the environment (e.g. an `mlflow server` on a cluster) is used unchanged.
+serialises the writers.
+
+Writes never wait for the store (memopd.spool): a job appends each write to its run's spool file, and a background
+thread sends them in order, retrying what fails (a locked database, a server restarting or down), consecutive
+metrics in one batch. A store down at the start, mid-run or at the end costs the job at most start_timeout_s +
+end_timeout_s (TrackingConfig); what was not sent stays spooled and `memopd tracking replay` sends it into the
+same run. `MLFLOW_TRACKING_URI` from the environment (e.g. an `mlflow server` on a cluster) is used unchanged.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+from memopd.spool import RUN_FILE, Sender, Spool, write_ref_file
+
 DEFAULT_URI = "sqlite:///results/mlflow.db"
-_RETRIES = 12  # ~1 minute of back-off in all before a locked write is an error
-# A write during a run: any error is retried for ~1 minute (0.5 s ... 30 s: a tracking server restarting), then
-# reported and skipped, never fatal: the run's metrics stay in its metrics.jsonl (`memopd tracking replay`)
-CALL_TRIES, CALL_FIRST_S, CALL_CAP_S = 8, 0.5, 30.0
+_RETRIES = 12  # ~1 minute of back-off in all before a locked write is an error (the store's creation)
 # MLflow 3 UI (server/js): the experiment tag `mlflow.experimentKind` (genai_development |
 # custom_model_development | ...) says the experiment is model training, not a GenAI app.
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
@@ -47,7 +52,6 @@ EXPERIMENT_NOTE = ("MemOPD pipeline runs. Open the **Model training** view (swit
                    "`?workflowType=machine_learning` to the URL), then Runs. Training runs (stage train, one per "
                    "method x seed) and SFT runs hold their evaluations as child runs; group by the tag `method`; "
                    "evaluation scores are eval/f1, eval/em, eval/invalid_rate in every evaluation run.")
-RUN_FILE = "mlflow_run.json"  # written into a model / run directory by the job that tracked its training
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
@@ -197,120 +201,126 @@ def init_store(uri: str, experiment: str) -> dict:
             "ui_path": f"#/experiments/{exp_id}/runs?workflowType=machine_learning"}
 
 
+@dataclass(frozen=True)
+class TrackingConfig:
+    """The `tracking` config section (every default declared here; workflow/schemas/config.schema.yaml documents
+    the keys): where runs go, and how long a job ever waits for the store."""
+
+    uri: str = DEFAULT_URI
+    experiment: str = "memopd"
+    sqlite_in_slurm_jobs: bool = False
+    spool: str = "results/tracking/spool"  # what could not be sent yet, per run (memopd.spool)
+    http_timeout_s: float = 10.0  # one HTTP request to a tracking server, at most (MLflow's own retries off)
+    start_timeout_s: float = 10.0  # a job waits this long for its run to be created, then goes on offline
+    end_timeout_s: float = 30.0  # and this long at its end for what is left to be sent; the rest stays spooled
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrackingConfig":
+        d = json.loads(text)
+        if unknown := set(d) - {f.name for f in fields(cls)}:
+            raise ValueError(f"tracking: unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+
+def bounded_http(timeout_s: float) -> None:
+    """MLflow's HTTP client inside a job: one try of at most `timeout_s` per request (by default it retries 7 times
+    with back-off and waits 120 s a try: a dead server held one write for 2,031 s); the spool's sender retries."""
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(max(1, int(math.ceil(timeout_s))))
+
+
 class Run:
-    """One MLflow run written through the client: metrics are buffered and flushed in batches."""
+    """One MLflow run as a job writes it: every write goes to the run's spool (memopd.spool) and a background
+    sender takes it to the store, so no write waits for the store."""
 
-    def __init__(self, client, run_id: str, flush_every: int = 200, ref: dict | None = None):
-        self.client, self.run_id, self.flush_every = client, run_id, flush_every
-        self.ref = ref or {"run_id": run_id}  # what write_ref records
-        self._metrics = []
-        self.failures: list[str] = []  # the writes given up on (each reported as it happened)
+    def __init__(self, spool: Spool, sender: Sender, ref: dict):
+        self.spool, self.sender, self.ref = spool, sender, ref
+        self._run_id = None
 
-    def _call(self, what: str, fn, *args, transient=("",), **kwargs):
-        """A write to the store, retried with back-off; given up on with a message, never raised: a tracking
-        failure must not cost the run (its metrics stay in metrics.jsonl)."""
-        try:
-            return _retry(fn, *args, transient=transient, tries=CALL_TRIES, first_s=CALL_FIRST_S, cap_s=CALL_CAP_S,
-                          **kwargs)
-        except Exception as e:
-            first = (str(e).splitlines() or [""])[0][:200]
-            self.failures.append(f"{what}: {type(e).__name__}: {first}")
-            print(f"tracking: {what} failed after {CALL_TRIES} tries ({type(e).__name__}: {first}); the run goes "
-                  "on (`memopd tracking replay` records a run's metrics.jsonl later)", flush=True)
-            return None
+    @property
+    def run_id(self) -> str | None:
+        """The run's id in the store, None while it has not been created (the store down since the start)."""
+        if self._run_id is None and self.spool.state_path.exists():
+            self._run_id = self.spool.state().get("run_id")
+        return self._run_id
+
+    def _op(self, op: dict) -> None:
+        self.spool.append(op)
+        self.sender.wake.set()
 
     def log_metrics(self, metrics: dict, step: int) -> None:
-        from mlflow.entities import Metric
-
         ts = int(time.time() * 1000)
-        self._metrics += [Metric(k, float(v), ts, int(step)) for k, v in metrics.items()]
-        if len(self._metrics) >= self.flush_every:
-            self.flush()
+        self._op({"op": "metrics", "items": [[k, float(v), ts, int(step)] for k, v in metrics.items()]})
 
     def log_params(self, params: dict) -> None:
-        from mlflow.entities import Param
-
-        items = [Param(k, str(v)) for k, v in params.items()]
-        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-            self._call("log params", self.client.log_batch, self.run_id, params=items[i : i + 100])
+        self._op({"op": "params", "params": {k: str(v) for k, v in params.items()}})
 
     def set_tags(self, tags: dict) -> None:
-        from mlflow.entities import RunTag
-
-        self._call("set tags", self.client.log_batch, self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self._op({"op": "tags", "tags": {k: str(v) for k, v in tags.items()}})
 
     def log_dict(self, obj: dict, name: str) -> None:
         """An artifact `name` (.json or .yaml) holding obj."""
-        self._call(f"log {name}", self.client.log_dict, self.run_id, obj, name)
+        self._op({"op": "dict", "obj": json.loads(json.dumps(obj, default=str)), "name": name})
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self._call(f"log artifact {Path(path).name}", self.client.log_artifact, self.run_id, str(path), artifact_path)
+        self._op({"op": "artifact", "path": str(self.spool.keep_file(path)), "artifact_path": artifact_path})
 
     def log_input(self, path: str | Path, context: str, name: str | None = None) -> None:
         """The parquet file `path` as an input dataset of this run (`context`: train, eval, ...)."""
-        from mlflow.entities import DatasetInput, InputTag
-
-        inp = DatasetInput(dataset_entity(path, name), tags=[InputTag("mlflow.data.context", context)])
-        # two jobs logging the same new dataset at once: the second insert fails once, then finds it
-        self._call(f"log input {Path(path).name}", self.client.log_inputs, self.run_id, datasets=[inp])
+        d = dataset_entity(path, name)
+        self._op({"op": "input", "context": context, "dataset": {
+            "name": d.name, "digest": d.digest, "source_type": d.source_type, "source": d.source, "schema": d.schema,
+            "profile": d.profile}})
 
     def write_ref(self, *directories: str | Path) -> None:
-        """Record this run in `directories` (file RUN_FILE): a job that later evaluates the model saved
-        there nests its runs under this one (`run_ref`, start_run's parent)."""
+        """Record this run in `directories` (file RUN_FILE): a job that later evaluates the model saved there nests
+        its runs under this one (`run_ref`, start_run's parent). A run not created yet is named by its spool
+        (`pending_spool`); its sender, or `memopd tracking replay`, writes the id once the run exists."""
+        ref = {**self.ref, "run_id": self.run_id}
+        if ref["run_id"] is None:
+            ref["pending_spool"] = str(self.spool.path.resolve())
         for d in directories:
-            Path(d).mkdir(parents=True, exist_ok=True)
-            tmp = Path(d) / (RUN_FILE + ".tmp")
-            tmp.write_text(json.dumps(self.ref, indent=2) + "\n")
-            tmp.replace(Path(d) / RUN_FILE)
+            write_ref_file(d, ref)
+        self._op({"op": "refs", "dirs": [str(Path(d).resolve()) for d in directories]})
 
     def flush(self) -> None:
-        while self._metrics:
-            batch, self._metrics = self._metrics[:1000], self._metrics[1000:]
-            self._call(f"log {len(batch)} metrics", self.client.log_batch, self.run_id, metrics=batch)
+        """Nothing to do: every write is on disk when the call returns; the sender sends it."""
 
 
 @contextmanager
 def start_run(uri: str, experiment: str, run_name: str, config: dict, stage: str, model: str, seed: int,
-              tags: dict | None = None, flush_every: int = 200, parent: dict | None = None):
+              tags: dict | None = None, parent: dict | None = None, settings: TrackingConfig | None = None):
     """A run in an existing store/experiment (created by `init_store`): params = flatten(config),
     artifact config.json, tags stage/model/method/seed/git_commit and the run's source (+ `tags`, which
     win). `parent`: a `run_ref` (the run that trained the model this run evaluates): the run becomes its
     child and takes its method and seed tags, unless that run is not in this store (then the run stays
     top-level, and says so). Yields a `Run`; the run ends FINISHED, or FAILED (KILLED on Ctrl-C) when the
-    body raises, after the buffered metrics are written."""
+    body raises. The store may be down at any point: the job waits at most settings.start_timeout_s for the run
+    to be created and settings.end_timeout_s at the end; what was not sent stays in the spool."""
     from mlflow.tracking import MlflowClient
 
+    settings = settings or TrackingConfig(uri=uri, experiment=experiment)
     path = sqlite_path(uri)
     if path is not None and not path.exists():
         raise FileNotFoundError(f"tracking store {path} does not exist: run `memopd tracking init` first "
                                 "(parallel jobs must not create a SQLite store themselves)")
-    client = MlflowClient(tracking_uri=uri)
-    exp = _retry(client.get_experiment_by_name, experiment)
-    if exp is None:
-        raise LookupError(f"experiment {experiment!r} not in {uri}: run `memopd tracking init` first")
+    if path is None:
+        bounded_http(settings.http_timeout_s)
     commit = git_commit()
     all_tags = {"stage": stage, "model": model, "method": model, "seed": seed, "git_commit": commit,
                 "mlflow.source.git.commit": commit.removesuffix("-dirty"), "mlflow.source.type": "LOCAL",
-                "mlflow.source.name": f"memopd {stage}"}
-    if parent:
-        try:
-            parent_run = _retry(client.get_run, parent["run_id"])
-        except Exception as e:  # another store, or a deleted run
-            print(f"tracking: parent run {parent['run_id']} not in {uri} ({type(e).__name__}); this run is top-level")
-        else:
-            if parent_run.info.experiment_id == exp.experiment_id:
-                all_tags["mlflow.parentRunId"] = parent["run_id"]
-                all_tags.update({k: parent[k] for k in ("method", "seed") if k in parent})
-                all_tags["parent_run_name"] = parent_run.info.run_name
-            else:
-                print(f"tracking: parent run {parent['run_id']} is in another experiment; this run is top-level")
-    all_tags.update(tags or {})
-    info = _retry(client.create_run, exp.experiment_id, run_name=run_name,
-                  tags={k: str(v) for k, v in all_tags.items()}).info
-    run = Run(client, info.run_id, flush_every,
-              ref={"run_id": info.run_id, "run_name": run_name, "experiment_id": exp.experiment_id,
-                   "tracking_uri": uri, "stage": stage, "model": model, "method": all_tags["method"],
-                   "seed": all_tags["seed"]})
+                "mlflow.source.name": f"memopd {stage}", **(tags or {})}
+    ref = {"run_name": run_name, "experiment": experiment, "tracking_uri": uri, "stage": stage, "model": model,
+           "method": all_tags["method"], "seed": all_tags["seed"]}
+    spool = Spool.new(settings.spool, run_name)
+    spool.append({"op": "create", "uri": uri, "experiment": experiment, "run_name": run_name, "parent": parent,
+                  "tags": {k: str(v) for k, v in all_tags.items()}, "ref": ref})
+    sender = Sender(spool, MlflowClient(tracking_uri=uri))
+    sender.start()
+    run = Run(spool, sender, ref)
+    if not sender.created.wait(settings.start_timeout_s):
+        print(f"tracking: the store {uri} did not take run {run_name} within {settings.start_timeout_s:g} s "
+              f"({sender.last_error}); the job goes on, its records spooled in {spool.path}", flush=True)
     status = "FAILED"
     try:
         run.log_params(flatten(config))
@@ -321,8 +331,16 @@ def start_run(uri: str, experiment: str, run_name: str, config: dict, stage: str
         status = "KILLED"
         raise
     finally:
-        run.flush()
-        run._call(f"end the run ({status})", client.set_terminated, info.run_id, status)
+        run._op({"op": "end", "status": status})
+        sent = sender.finish(settings.end_timeout_s)
+        run.run_id  # noqa: B018  the id, read before the spool goes
+        if sent:
+            spool.remove()
+        else:
+            why = sender.last_error or "still sending"
+            print(f"tracking: {spool.pending()} records of run {run_name} not taken by {uri} within "
+                  f"{settings.end_timeout_s:g} s ({why}); kept in {spool.path}: `memopd tracking "
+                  f"replay --spool {spool.path}` sends them into the same run", flush=True)
 
 
 class NullRun:
@@ -351,9 +369,9 @@ def tracked(tracking_json: str | None, run_name: str, config: dict, stage: str, 
         print("tracking: off (no --tracking given)")
         yield NullRun()
         return
-    t = json.loads(tracking_json)
-    uri = resolve_uri(t["uri"], t.get("sqlite_in_slurm_jobs", False))
-    with start_run(uri, t["experiment"], run_name, config, stage=stage, model=model, seed=seed, tags=tags,
-                   parent=parent) as run:
-        print(f"tracking: run {run.run_id} in {uri} (experiment {t['experiment']})")
+    t = TrackingConfig.from_json(tracking_json)
+    uri = resolve_uri(t.uri, t.sqlite_in_slurm_jobs)
+    with start_run(uri, t.experiment, run_name, config, stage=stage, model=model, seed=seed, tags=tags,
+                   parent=parent, settings=t) as run:
+        print(f"tracking: run {run.run_id or '(not created yet)'} in {uri} (experiment {t.experiment})")
         yield run

@@ -150,9 +150,9 @@ def snapshot_dir(out: str | Path, step: int) -> Path:
     return Path(out) / "snapshots" / f"step_{step}"
 
 
-def snapshot_writer(model, out: Path, tokenizer, info: dict, rank: int):
-    """The trainer's `snapshot` callback: the weights after a step, with `info` and the step's record in
-    memopd_model.json, written whole or not at all."""
+def snapshot_writer(model, out: Path, tokenizer, base: dict, stage: str, record: dict, rank: int):
+    """The trainer's `snapshot` callback: the weights after a step, written whole or not at all, with the model
+    record of the run up to that step (`stage`: its steps, seconds and fingerprint; `snapshot`: which step)."""
     from memopd.checkpoint import publish_dir
     from memopd.harness import export
 
@@ -163,63 +163,55 @@ def snapshot_writer(model, out: Path, tokenizer, info: dict, rank: int):
             shutil.rmtree(tmp, ignore_errors=True)
         export(model, tmp, tokenizer)
         if rank == 0:
-            write_json(tmp / "memopd_model.json", {**info, "snapshot": step})
+            own = {"steps": step["step"], "train_seconds": step["train_seconds"], "fingerprint": step["fingerprint"]}
+            write_json(tmp / "memopd_model.json", {**base, stage: {**record, **own}, "snapshot": step})
             publish_dir(tmp, d)
 
     return write
 
 
 def cmd_sft_train(args, cfg):
-    import torch
-
-    from memopd.dist import dist_info, rank_threads, setup_distributed
+    from memopd.harness import export, job
     from memopd.models import load_model, load_tokenizer
     from memopd.records import load_episodes
     from memopd.sft.data import of_layouts, split_heldout
-    from memopd.harness import discard, export
     from memopd.sft.trainer import train
 
     tcfg = train_config(cfg, args.role, args.stage)
     existing(args.examples, args.init)
-    rank_threads(args.threads)
-    device = setup_distributed(tcfg.dist_timeout_min)
-    rank, world, _ = dist_info()
-    train_ex, heldout = split_heldout(load_episodes(args.examples), tcfg.eval_fraction, args.seed)
-    # the role's states (sft.<role>.layouts); the held-out loss is always the exact states' (comparable across roles)
-    train_ex, heldout = of_layouts(train_ex, tcfg.layouts), of_layouts(heldout, ("exact",))
-    seed = args.seed if tcfg.seed is None else tcfg.seed  # the held-out split above keeps args.seed
-    train_ex += stage_repeats(args.init, tcfg, seed)  # training only: the held-out loss stays the agent's
-    model = load_model(args.init, dtype="float32", device=str(device))  # fp32 master weights
-    st = (Path(args.init) / "model.safetensors").stat()
-    identity = {"init": str(Path(args.init).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    out = Path(args.out)
-    run_cfg = {"sft": cfg, "role": args.role, "stage": args.stage, "resolved": asdict(tcfg), "seed": args.seed,
-               "examples": args.examples, "init": args.init, "world_size": world, "device": str(device)}
     name = f"{args.role}_{'lm' if args.stage == 'pretrain' else 'sft'}"
-    info_path = Path(args.init) / "memopd_model.json"
-    init_info = json.loads(info_path.read_text()) if info_path.exists() else {}
-    base_info = {**init_info, "params": sum(p.numel() for p in model.parameters()), "init": args.init}
-    snapshot = snapshot_writer(model, out, load_tokenizer(args.init), {**base_info, "snapshot_of": name,
-                                                                        "config": asdict(tcfg), "seed": seed}, rank)
-    with _tracked(args, f"{args.stage}_{args.role}", run_cfg, f"{args.stage}_train", name, enabled=rank == 0,
-                  tags={"method": "pretrain" if args.stage == "pretrain" else "sft", "role": args.role,
-                        "benchmark": "sft/" + Path(args.examples).stem}) as run:
-        if rank == 0:
-            run.log_input(args.examples, "train", name="sft/" + Path(args.examples).stem)
-        summary = train(model, train_ex, heldout, tcfg, seed, out / "checkpoint", log=run.log_metrics,
+    seed = args.seed if tcfg.seed is None else tcfg.seed  # the held-out split keeps args.seed
+    run_cfg = {"sft": cfg, "role": args.role, "stage": args.stage, "resolved": asdict(tcfg), "seed": args.seed,
+               "examples": args.examples, "init": args.init}
+    tags = {"method": "pretrain" if args.stage == "pretrain" else "sft", "role": args.role,
+            "benchmark": "sft/" + Path(args.examples).stem}
+    out = Path(args.out)
+    with job(args.tracking, f"{args.stage}_{args.role}", run_cfg, f"{args.stage}_train", name, args.seed, tags=tags,
+             threads=args.threads, dist_timeout_min=tcfg.dist_timeout_min) as j:
+        train_ex, heldout = split_heldout(load_episodes(args.examples), tcfg.eval_fraction, args.seed)
+        # the role's states (sft.<role>.layouts); the held-out loss is always the exact states' (comparable)
+        train_ex, heldout = of_layouts(train_ex, tcfg.layouts), of_layouts(heldout, ("exact",))
+        train_ex += stage_repeats(args.init, tcfg, seed)  # training only: the held-out loss stays the agent's
+        model = load_model(args.init, dtype="float32", device=str(j.device))  # fp32 master weights
+        st = (Path(args.init) / "model.safetensors").stat()
+        identity = {"init": str(Path(args.init).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        info_path = Path(args.init) / "memopd_model.json"
+        base = {**(json.loads(info_path.read_text()) if info_path.exists() else {}),
+                "params": sum(p.numel() for p in model.parameters()), "init": args.init}
+        record = {"role": args.role, "config": asdict(tcfg), "seed": seed, "examples": args.examples}
+        snapshot = snapshot_writer(model, out, load_tokenizer(args.init), base, args.stage, record, j.rank)
+        j.run.log_params({"world_size": j.world, "device": str(j.device)})
+        j.run.log_input(args.examples, "train", name="sft/" + Path(args.examples).stem)
+        summary = train(model, train_ex, heldout, tcfg, seed, out / "checkpoint", log=j.run.log_metrics,
                         identity=identity, snapshot=snapshot)
         export(model, out, load_tokenizer(args.init))  # sft.shard fsdp: gathered from the shards (collective)
-        if rank == 0:
-            info = {**base_info, args.stage: {"role": args.role, **summary, "config": asdict(tcfg), "seed": seed,
-                                              "examples": args.examples}}
-            write_json(out / "memopd_model.json", info)
-            run.log_dict(summary, "summary.json")
-            run.log_metrics({"train_seconds": summary["train_seconds"]}, summary["steps"])
-            run.write_ref(out)  # the model's evaluations (sft eval, eval) become child runs of this one
-        discard(out / "checkpoint")
-    if world > 1:
-        torch.distributed.destroy_process_group()
-    if rank == 0:
+        if j.rank == 0:
+            write_json(out / "memopd_model.json", {**base, args.stage: {**record, **summary}})
+            j.run.log_dict(summary, "summary.json")
+            j.run.log_metrics({"train_seconds": summary["train_seconds"]}, summary["steps"])
+            j.run.write_ref(out)  # the model's evaluations (sft eval, eval) become child runs of this one
+        j.done(out / "checkpoint")  # let go last, once the run's records and the process group are finished
+    if j.rank == 0:
         h = summary["heldout"]
         heldout = f"held-out target loss {h['target_loss']:.4f}" if h else "no held-out examples"
         print(f"{args.stage} {args.role}: {summary['steps']} steps ({summary['epochs']:.2f} epochs) in "

@@ -10,13 +10,9 @@ TRAIN_KEYS = ("steps", "batch_tasks", "lr_actor", "lr_critic")  # what train_run
 
 
 def cmd_train(args, cfg):
-    import shutil
-    from contextlib import nullcontext
-
     from memopd.config import agent_config
-    from memopd.dist import dist_info, rank_threads
-    from memopd.harness import discard
-    from memopd.tracking import NullRun, tracked
+    from memopd.harness import job
+    from memopd.train.config import RunConfig
     from memopd.train.loop import train_run
 
     section(cfg, "train", *TRAIN_KEYS)
@@ -24,35 +20,44 @@ def cmd_train(args, cfg):
     if method_spec(args.method).needs_teacher and args.teacher is None:
         raise UsageError(f"method {args.method!r} needs --teacher")
     existing(args.student, args.teacher, args.tasks, args.index)
-    rank_threads(args.threads)
-    rank, world, _ = dist_info()  # under torchrun: rank 0 tracks, exports and reports
-    run_name = f"train-{args.method}-seed{args.seed}"
-    with (tracked(args.tracking, run_name, cfg, stage="train", model=f"{args.method}_seed{args.seed}", seed=args.seed,
-                  tags={"method": args.method, "benchmark": Path(args.tasks).stem})
-          if rank == 0 else nullcontext(NullRun())) as run:
-        run.log_input(args.tasks, "train")
-        hist = train_run(cfg, args.method, args.seed, args.student, args.teacher, args.tasks, args.index,
-                         args.out_dir, stop_after=args.stop_after,
-                         tracker=lambda m, step: run.log_metrics(
+    try:
+        run = RunConfig.from_section(cfg["train"], args.method, args.seed)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"config section 'train': {e}") from None
+    out = Path(args.out_dir)
+    with job(args.tracking, f"train-{args.method}-seed{args.seed}", cfg, "train", f"{args.method}_seed{args.seed}",
+             args.seed, tags={"method": args.method, "benchmark": Path(args.tasks).stem}, threads=args.threads,
+             dist_timeout_min=run.dist_timeout_min) as j:  # under torchrun: rank 0 tracks, exports and reports
+        j.run.log_input(args.tasks, "train")
+        hist = train_run(cfg, args.method, args.seed, args.student, args.teacher, args.tasks, args.index, out,
+                         stop_after=args.stop_after, tracker=lambda m, step: j.run.log_metrics(
                              {k: v for k, v in m.items() if isinstance(v, (int, float))}, step))
-        if rank == 0:
-            run.log_artifact(Path(args.out_dir) / "metrics.jsonl")
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-    if rank != 0:
-        return
-    if args.export and (Path(args.out_dir) / "model").exists():  # the final policy, evaluated like any model
-        shutil.copytree(Path(args.out_dir) / "model", args.export, dirs_exist_ok=True)
-    # the run's id beside the metrics and in the exported model: its evaluations become child runs
-    run.write_ref(args.out_dir, *([args.export] if args.export and Path(args.export).exists() else []))
-    if (Path(args.out_dir) / "model").exists():  # exported and recorded: only now is the checkpoint let go
-        discard(Path(args.out_dir) / "checkpoint", cfg["train"].get("keep_checkpoint", False))
-    if hist:
+        if j.rank == 0:
+            j.run.log_artifact(out / "metrics.jsonl")
+            finished = (out / "model").exists()
+            if finished and args.export:  # the final policy, evaluated like any model
+                _export(out / "model", Path(args.export))
+            # the run's id beside the metrics and in the exported model: its evaluations become child runs
+            j.run.write_ref(out, *([args.export] if finished and args.export else []))
+            if finished:  # exported and recorded: the checkpoint goes at the very end of the job
+                j.done(out / "checkpoint", run.keep_checkpoint)
+    if j.rank == 0 and hist:
         last = hist[-1]
         print(f"{args.method} seed {args.seed}: step {last['step'] + 1} reward/f1 {last['reward/f1']:.3f} "
               f"rce {last.get('rce/max_abs_dlogp', float('nan')):.1e} step {last['time/step_s']:.1f}s")
+
+
+def _export(model: Path, dest: Path) -> None:
+    """The run's final policy copied to `dest` (a model directory); a destination that cannot take it is named."""
+    import shutil
+
+    try:
+        shutil.copytree(model, dest, dirs_exist_ok=True)
+    except (OSError, shutil.Error) as e:
+        why = e.args[0] if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], str) else e
+        raise UsageError(f"--export {dest}: cannot copy the final policy there ({type(e).__name__}: "
+                         f"{str(why).splitlines()[0][:200]}); the run and its checkpoint are kept: rerun to export"
+                         ) from None
 
 
 def register(cli) -> None:
