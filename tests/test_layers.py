@@ -5,10 +5,11 @@ know nothing of each other.
 A unit is a top-level module (memopd/stats.py: `stats`) or a subpackage (memopd/train/: `train`). The floors,
 lowest first:
 
-  0 foundations    records, cost, losses, metrics, models, methods, tracking, inputs, codegraph, stats, dist, checkpoint,
-                   progress, outputs (JSON, tables and figures as every step writes them)
-                   and the package's own __init__ (no memopd import at all)
-  1 layout, config packing, vocab, prefetch, config (the typed config sections: on inputs' errors)
+  0 foundations    records, cost, losses, metrics, models, methods, inputs, codegraph, stats, dist, checkpoint,
+                   progress, outputs (JSON, tables and figures as every step writes them), spool (a run's tracking
+                   records on disk and their sender) and the package's own __init__ (no memopd import at all)
+  1 layout, config packing, vocab, prefetch, config (the typed config sections: on inputs' errors), schema (the
+                   workflow's config schema outside Snakemake), tracking (MLflow runs, through the spool)
   2 exact forward  attention
   3 on the forward rce, parallel
   4 run harness    harness (identity, resume, checkpoints, the step loop and export of every trainer)
@@ -19,7 +20,8 @@ lowest first:
   9 teachers, evaluation  teachers (scripted, LLM, the trajectory step), evaluation
  10 trainers       sft, train
  11 audits, plans  audit, plan
- 12 reports        report (the tables and figures over runs, audits and plans: the last stage)
+ 12 reports        report (the tables and figures over runs, audits and plans)
+ 13 study rules    study (the controlled study's decision rules, over evaluations and their reports)
   top              cli, __main__ and every module named `commands` (memopd.commands, sft.commands, ...): they
                    may import anything, and nothing below the top may import them
 
@@ -38,9 +40,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "memopd"
 
 FLOORS = [
-    ("foundations", {"memopd", "records", "cost", "losses", "metrics", "models", "methods", "tracking", "inputs",
-                     "codegraph", "stats", "dist", "checkpoint", "progress", "outputs"}),
-    ("layout, config", {"packing", "vocab", "prefetch", "config"}),
+    ("foundations", {"memopd", "records", "cost", "losses", "metrics", "models", "methods", "inputs", "codegraph",
+                     "stats", "dist", "checkpoint", "progress", "outputs", "spool"}),
+    ("layout, config", {"packing", "vocab", "prefetch", "config", "schema", "tracking"}),
     ("exact forward", {"attention"}),
     ("on the forward", {"rce", "parallel"}),
     ("run harness", {"harness"}),
@@ -52,6 +54,7 @@ FLOORS = [
     ("trainers", {"sft", "train"}),
     ("audits, plans", {"audit", "plan"}),
     ("reports", {"report"}),
+    ("study rules", {"study"}),
 ]
 TOP_NAMES = {"cli", "commands", "__main__"}  # modules of the top floor, by their last name
 TOP = len(FLOORS)
