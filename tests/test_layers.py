@@ -9,7 +9,8 @@ lowest first:
                    progress, outputs (JSON, tables and figures as every step writes them), spool (a run's tracking
                    records on disk and their sender) and the package's own __init__ (no memopd import at all)
   1 layout, config packing, vocab, prefetch, config (the typed config sections: on inputs' errors), schema (the
-                   workflow's config schema outside Snakemake), tracking (MLflow runs, through the spool)
+                   workflow's config schema outside Snakemake), tracking (MLflow runs, through the spool), ledger
+                   (the exact call ledger: a rollout's calls in a portable file)
   2 exact forward  attention
   3 on the forward rce, parallel
   4 run harness    harness (identity, resume, checkpoints, the step loop and export of every trainer)
@@ -42,7 +43,7 @@ PACKAGE = "memopd"
 FLOORS = [
     ("foundations", {"memopd", "records", "cost", "losses", "metrics", "models", "methods", "inputs", "codegraph",
                      "stats", "dist", "checkpoint", "progress", "outputs", "spool"}),
-    ("layout, config", {"packing", "vocab", "prefetch", "config", "schema", "tracking"}),
+    ("layout, config", {"packing", "vocab", "prefetch", "config", "schema", "tracking", "ledger"}),
     ("exact forward", {"attention"}),
     ("on the forward", {"rce", "parallel"}),
     ("run harness", {"harness"}),

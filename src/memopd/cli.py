@@ -39,10 +39,11 @@ GROUPS = {"model": "model checkpoints",
           "bench": "benchmarks that print figures",
           "retrieval": "retrieval corpus, index, recall (config section `retrieval`)",
           "tracking": "MLflow store",
-          "study": "the controlled study's decision rules"}
+          "study": "the controlled study's decision rules",
+          "ledger": "exact call ledgers: a rollout's calls for checking any trainer's batch"}
 # `memopd --help` lists the commands in pipeline order, whichever package adds them
 LISTED = {"": ("tokenizer", "model", "rce", "eval", "rce-rollouts", "fetch", "train", "report", "sft", "audit", "bench",
-               "benchmarks", "retrieval", "plan", "prefetch", "tracking", "study"),
+               "benchmarks", "retrieval", "plan", "prefetch", "tracking", "study", "ledger"),
           "bench": ("packing", "decode", "eval", "opd-memory", "index", "sft")}
 BAD_INPUT = (UsageError, DataConfigError, DataFormatError, FileNotFoundError)
 

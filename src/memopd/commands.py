@@ -115,6 +115,36 @@ def cmd_tracking_replay(args, cfg):
         raise UsageError(f"{len(failed)} of {len(files)} spools not sent (kept): {failed[0]}")
 
 
+def cmd_ledger_check(args, cfg):
+    """A ledger checked against its format (memopd.ledger); one line naming the first break, exit 2."""
+    from memopd.ledger import LedgerError, read_ledger
+
+    try:
+        head, episodes = read_ledger(args.ledger)
+    except LedgerError as e:
+        raise UsageError(str(e)) from None
+    calls = sum(len(e.calls) for e in episodes)
+    actions = sum(len(c.action_ids) for e in episodes for c in e.calls)
+    with_lp = sum(len(c.action_ids) for e in episodes for c in e.calls if c.logprobs is not None)
+    retained = sum(len(c.retained) for e in episodes for c in e.calls)
+    print(f"{args.ledger}: ledger version {head['version']}, {len(episodes)} episodes, {calls} calls, {actions} action "
+          f"tokens ({with_lp} with engine log-probs), {retained} retained spans: valid")
+
+
+def cmd_ledger_write(args, cfg):
+    """Our rollouts' episodes (records parquet) as a ledger; --cfg: the `rollout` section (its sampling)."""
+    from memopd.ledger import write_ledger
+    from memopd.records import load_episodes
+
+    existing(args.episodes)
+    sampling = {k: cfg[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens") if k in cfg}
+    episodes = load_episodes(args.episodes)
+    for ep in episodes:
+        ep.validate()
+    write_ledger(args.out, episodes, sampling, args.tokenizer or "", args.weight_version)
+    print(f"{len(episodes)} episodes of {args.episodes} -> {args.out}")
+
+
 def register(cli) -> None:
     sp = cli.add("tokenizer", cmd_tokenizer, "train the offline byte-level BPE tokenizer on data/")
     sp.add_argument("--data-dir", default="data")
@@ -133,6 +163,15 @@ def register(cli) -> None:
     sp.add_argument("--out", required=True, help="JSON report (a CSV is written beside it)")
     sp.add_argument("--strict", action="store_true", help="exit non-zero when any backend fails")
     sp.add_argument("--device", help="torch device of the model (default: the job's GPU if it has one, else cpu)")
+
+    sp = cli.add("ledger check", cmd_ledger_check, "check an exact call ledger against its format (docs/ledger.md)")
+    sp.add_argument("ledger", help="the ledger (JSON Lines)")
+    sp = cli.add("ledger write", cmd_ledger_write, "our rollouts' episodes as an exact call ledger (--cfg: the "
+                 "`rollout` section)")
+    sp.add_argument("--episodes", required=True, help="episodes (records parquet: eval's *.episodes.parquet)")
+    sp.add_argument("--tokenizer", help="the tokenizer's name, recorded in the header")
+    sp.add_argument("--weight-version", type=int, help="the policy's weight version, recorded in the header")
+    sp.add_argument("--out", required=True, help="the ledger (JSON Lines)")
 
     sp = cli.add("tracking init", cmd_tracking_init, "create the MLflow store and experiment once, before parallel jobs")
     sp.add_argument("--out", required=True, help="JSON record of the store")
