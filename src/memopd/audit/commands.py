@@ -147,7 +147,88 @@ def table_args(sp, model=True, figure=False, episodes_nargs=None):
     return sp
 
 
+def cmd_audit_batch(args, cfg):
+    """A trainer's batch against the exact call ledger of its rollout (memopd.audit.batch): JSON, a Markdown table
+    beside it, a figure; logged to MLflow with --tracking. Exit 0 whatever it finds (a finding is a result)."""
+    from memopd.audit.adapters import BatchFormatError, read_batch
+    from memopd.audit.batch import audit, write_report
+    from memopd.ledger import LedgerError, read_ledger
+    from memopd.tracking import tracked
+
+    existing(args.batch, args.ledger, *([args.model] if args.model else []))
+    try:
+        _, episodes = read_ledger(args.ledger)
+        rows = read_batch(args.batch, args.format)
+    except (LedgerError, BatchFormatError) as e:
+        raise UsageError(str(e)) from None
+    model = None
+    if args.model:
+        from memopd.models import load_model
+
+        _audit_threads(args)
+        model = load_model(args.model, dtype="float32", device="cpu").eval()
+    report = audit(model, rows, episodes, numbers=model is not None)
+    report.update(batch=args.batch, format=args.format, ledger=args.ledger, model=args.model)
+    write_report(report, args.out)
+    with tracked(args.tracking, f"audit-batch-{args.format}", {"batch": args.batch, "format": args.format,
+                 "ledger": args.ledger, "model": args.model}, "audit", args.format, args.seed,
+                 tags={"method": "audit", "benchmark": "batch"}) as run:
+        run.log_metrics({f"batch/{k}": v for k, v in report["placement"]["counts"].items()}, 0)
+        for kind, block in (report.get("numbers") or {}).items():
+            run.log_metrics({f"batch/{kind}/{k}": v for k, v in block.items() if isinstance(v, (int, float))}, 0)
+        for path in (args.out, Path(args.out).with_suffix(".md"), Path(args.out).with_suffix(".png")):
+            if Path(path).exists():
+                run.log_artifact(path)
+    print(Path(args.out).with_suffix(".md").read_text())
+
+
+def cmd_certify(args, cfg):
+    """A packer's certificate (memopd.audit.certify): JSON and one line; exit 1 when it fails."""
+    import sys
+
+    from memopd.audit.certify import certify, load_packer, random_ledger
+    from memopd.ledger import LedgerError, read_ledger
+    from memopd.models import load_model
+    from memopd.outputs import write_json
+
+    existing(args.model, *([args.ledger] if args.ledger else []))
+    try:
+        packer = load_packer(args.packer)
+        ledgers = {"real": read_ledger(args.ledger)[1]} if args.ledger else {}
+    except (ValueError, LedgerError) as e:
+        raise UsageError(str(e)) from None
+    _audit_threads(args)
+    model = load_model(args.model, dtype="float32", device="cpu").eval()
+    ledgers = {"random": random_ledger(Path(args.out).with_suffix(".random.jsonl"), model.config.vocab_size,
+                                       args.seed), **ledgers}
+    cert = {"packer": args.packer, "model": args.model, **certify(model, packer, ledgers)}
+    write_json(args.out, cert)
+    parts = [f"{name}: {v['episodes']} episodes, max |d log p| {v['max_abs_dlogp']:.2g}, "
+             f"{'exact, once' if v['passed'] else 'NOT exact'}" for name, v in cert["ledgers"].items()]
+    print(f"certify {args.packer}: {'PASS' if cert['passed'] else 'FAIL'} ({'; '.join(parts)}) -> {args.out}")
+    if not cert["passed"]:
+        sys.exit(1)
+
+
 def register(cli) -> None:
+    sp = cli.add("audit batch", cmd_audit_batch, "a trainer's batch (verl, SkyRL, TRL, tinker, MEM1 or rows) against "
+                 "the exact call ledger of its rollout: numerical, sampler and representation error, train once")
+    sp.add_argument("--batch", required=True, help="the batch, dumped as JSON of the framework's fields "
+                    "(docs/audit-your-batch.md)")
+    sp.add_argument("--format", required=True, choices=["verl", "skyrl", "trl", "tinker", "mem1", "rows"])
+    sp.add_argument("--ledger", required=True, help="the exact call ledger of the rollout (docs/ledger.md)")
+    sp.add_argument("--model", help="the model the batch trains (a model directory): the log-prob comparisons; "
+                    "without it, only where each loss token lands")
+    sp.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    sp.add_argument("--tracking", help="JSON of the `tracking` config section; omit: no MLflow")
+    sp.add_argument("--out", required=True, help="JSON report (a Markdown table and a figure beside it)")
+    sp = cli.add("certify", cmd_certify, "certify a packer (module:function, episodes -> rows): every sampled token "
+                 "on its exact state, once; ratio 1 at lr = 0")
+    sp.add_argument("--packer", required=True, help="module:function, e.g. memopd.audit.adapters:exact_packer")
+    sp.add_argument("--model", required=True, help="a model directory to score with")
+    sp.add_argument("--ledger", help="real episodes too (an exact call ledger, docs/ledger.md)")
+    sp.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    sp.add_argument("--out", required=True, help="the certificate (JSON)")
     sp = agent_args(cli.add("audit rollouts", cmd_audit_rollouts, "roll out the audit episodes once (parquet + "
                             "provenance JSON); --cfg holds the agent, rollout and audit sections"))
     sp.add_argument("--rule", help="memory-rewrite rule (default: audit.rule, else agent.rule)")
