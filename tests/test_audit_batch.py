@@ -147,15 +147,10 @@ def test_each_frameworks_layout_one_row_per_call_is_exact(model, tmp_path):
         verl["rollout_log_probs"].append([0.0] * width[1])
     skyrl = {"prompt_token_ids": [x for x, _ in calls], "response_ids": [a for _, a in calls],
              "loss_masks": [[1] * len(a) for _, a in calls]}
-    trl = [{"input_ids": [t for x, a in calls[:4] for t in x + a],
-            "position_ids": [i for x, a in calls[:4] for i in range(len(x) + len(a))],
-            "pred_index": [off + len(x) - 1 + o for (x, a), off in zip(calls[:4], _offsets(calls[:4])) for o in range(len(a))],
-            "target_id": [t for _, a in calls[:4] for t in a]}]
     tinker = [{"model_input": {"tokens": (x + a)[:-1]},
                "loss_fn_inputs": {"target_tokens": (x + a)[1:], "mask": [0] * (len(x) - 1) + [1] * len(a)}}
               for x, a in calls]
-    for fmt, data, n in (("verl", verl, len(calls)), ("skyrl", skyrl, len(calls)), ("trl", trl, 1),
-                         ("tinker", tinker, len(calls))):
+    for fmt, data, n in (("verl", verl, len(calls)), ("skyrl", skyrl, len(calls)), ("tinker", tinker, len(calls))):
         (tmp_path / f"{fmt}.json").write_text(json.dumps(data))
         rows = read_batch(tmp_path / f"{fmt}.json", fmt)
         assert len(rows) == n
@@ -165,12 +160,28 @@ def test_each_frameworks_layout_one_row_per_call_is_exact(model, tmp_path):
             v for k, v in c.items() if k != "exact"), (fmt, c)
 
 
-def _offsets(calls):
-    out, at = [], 0
-    for x, a in calls:
-        out.append(at)
-        at += len(x) + len(a)
-    return out
+def test_trls_own_tree_packing_of_our_calls_is_exact(model, tmp_path):
+    """TRL 1.16.0's AsyncGRPO packer (trl.experimental.async_grpo.packing.TreeRow, the `frameworks` extra) folds our
+    calls, one sample each, into a prefix trie that shares the calls' common prefix: every trained token still lands
+    on its own call's exact state, and the tree attention's log-probs equal the exact ones."""
+    trl_packing = pytest.importorskip("trl.experimental.async_grpo.packing")
+    eps, ledger = _ledger(tmp_path, model)
+    row = trl_packing.TreeRow()
+    for ep in eps[:3]:
+        for inv in ep.invocations:
+            ids = inv.input_ids + inv.output_ids
+            row.add({"input_ids": torch.tensor(ids), "completion_mask": torch.tensor([0] * len(inv.input_ids) +
+                     [1] * len(inv.output_ids)), "old_log_probs": torch.tensor([0.0] * len(inv.input_ids) +
+                     inv.logprobs), "advantage": 1.0, "group_id": ep.task_id})
+    packed = {k: v.tolist() for k, v in row.pack().items()}
+    assert len(packed["input_ids"]) < sum(len(i.input_ids) + len(i.output_ids) for e in eps[:3] for i in e.invocations)
+    (tmp_path / "trl.json").write_text(json.dumps([packed]))
+    rows = read_batch(tmp_path / "trl.json", "trl")
+    sub = read_ledger(tmp_path / "ledger.jsonl")[1][:3]
+    r = audit(model, rows, sub)
+    assert r["placement"]["counts"]["exact"] == sum(len(i.output_ids) for e in eps[:3] for i in e.invocations)
+    assert r["passed"], r["findings"]
+    assert r["numbers"]["representation"]["max_abs_dlogp"] < 1e-5
 
 
 def test_mem1s_stitched_episode_has_running_positions(tmp_path, model):
@@ -199,8 +210,8 @@ def test_a_bad_batch_is_one_clear_error(tmp_path):
         read_batch(tmp_path / "b.json", "skyrl")
     (tmp_path / "b.json").write_text(json.dumps([{"input_ids": [1, 2], "position_ids": [0, 1], "pred_index": [5],
                                                  "target_id": [2]}]))
-    with pytest.raises(BatchFormatError, match="trl TrainingRow 0: pred_index 5 outside the row's 2 tokens"):
-        read_batch(tmp_path / "b.json", "trl")
+    with pytest.raises(BatchFormatError, match="row 0: pred_index 5 outside the row's 2 tokens"):
+        read_batch(tmp_path / "b.json", "rows")
 
 
 def test_the_cli_writes_json_markdown_and_a_figure_and_refuses_a_bad_batch(model, tmp_path, capsys):
@@ -226,7 +237,7 @@ def test_the_cli_writes_json_markdown_and_a_figure_and_refuses_a_bad_batch(model
         main(["audit", "batch", "--batch", str(tmp_path / "bad.json"), "--format", "trl", "--ledger",
               str(tmp_path / "ledger.jsonl"), "--out", str(tmp_path / "b.json")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and err[-1].startswith("memopd audit batch: trl TrainingRow 0: no field 'position_ids'")
+    assert e.value.code == 2 and err[-1].startswith("memopd audit batch: trl row 0: no field 'position_ids'")
     assert not (tmp_path / "b.json").exists()
 
 

@@ -49,7 +49,7 @@ def test_setup_keeps_a_cuda_or_newer_torch(tmp_path, torch_build, pinned):
     given = (tmp_path / "requirements.log").read_text()
     pin = next(x for x in (ROOT / "envs/requirements-cpu.txt").read_text().splitlines() if x.startswith("torch=="))
     assert (pin in given) is pinned, given
-    assert "-e .[workflow,test,embedded,dense]" in given  # the rest goes in either way
+    assert "-e .[workflow,test,embedded,dense,frameworks]" in given  # the rest goes in either way
     assert ("keeping the installed torch" in out.stdout) is (not pinned)
     if torch_build == "broken":  # a CUDA torch whose import fails: kept, and the reason said
         assert "its import fails: OSError: libcudart.so.12" in out.stdout

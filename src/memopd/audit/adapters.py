@@ -9,9 +9,9 @@ The batch is a JSON file of the framework's own field names (docs/audit-your-bat
            (verl/protocol.py, verl/experimental/agent_loop/agent_loop.py)
   skyrl    GeneratorOutput: prompt_token_ids, response_ids, loss_masks, rollout_logprobs (ragged, one per sample)
            (skyrl_train/generators/base.py)
-  trl      AsyncGRPO's packed TrainingRow list: input_ids, position_ids [N]; pred_index, target_id, old_log_probs
-           [M] (trl/experimental/async_grpo/packing.py); a row holds several documents, each starting where
-           position_ids is 0 (the varlen attention they train with sees within a document only)
+  trl      AsyncGRPO's packed rows, TreeRow.pack() of trl 1.16.0 (trl/experimental/async_grpo/packing.py): the
+           samples folded into a prefix trie, input_ids, position_ids, shift_labels [N]; token_index, old_log_probs
+           [M]; tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k (each segment sees its root-to-segment path)
   tinker   a list of Datum: model_input (tokens [N]); loss_fn_inputs target_tokens, logprobs, mask [N]: the
            target at k is predicted at input position k (tinker_cookbook/rl/data_processing.py)
   mem1     MEM1's stitched episodes: input_ids, position_ids [L], attention_mask_4d [L, L] (1 = may attend),
@@ -103,20 +103,31 @@ def skyrl_rows(d: dict) -> list[BatchRow]:
     return rows
 
 
-def document_mask(position_ids: list[int]) -> torch.Tensor:
-    """(L, L) bool: i and j in the same document, one starting wherever position_ids is 0 (the varlen convention)."""
-    doc = torch.cumsum(torch.tensor([int(p == 0) for p in position_ids]), 0)
-    return doc[:, None] == doc[None, :]
+def tree_mask(n: int, kv_index: list[int], cu_q: list[int], cu_k: list[int]) -> torch.Tensor:
+    """(L, L) bool of TRL's tree attention: a query of segment s sees the K/V of its root-to-segment path
+    (tree_kv_index[cu_k[s]:cu_k[s+1]]), causally within its own segment."""
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for s in range(len(cu_q) - 1):
+        path = torch.tensor(kv_index[cu_k[s]:cu_k[s + 1]], dtype=torch.long)
+        for i in range(cu_q[s], cu_q[s + 1]):
+            mask[i, path[path <= i]] = True
+    return mask
 
 
 def trl_rows(d: list) -> list[BatchRow]:
     rows = []
     for b, r in enumerate(d):
-        where = f"trl TrainingRow {b}"
-        _need(r, ("input_ids", "position_ids", "pred_index", "target_id"), where)
-        old = r.get("old_log_probs") or [None] * len(r["target_id"])
-        rows.append(_row(r["input_ids"], r["position_ids"], r["pred_index"], r["target_id"], old,
-                         document_mask(r["position_ids"]), where))
+        where = f"trl row {b}"
+        _need(r, ("input_ids", "position_ids", "shift_labels", "token_index", "tree_kv_index", "tree_cu_seqlens_q",
+                  "tree_cu_seqlens_k"), where)
+        labels, idx = r["shift_labels"], r["token_index"]
+        bad = [i for i in idx if not 0 <= i < len(labels) or labels[i] < 0]
+        if bad:
+            raise BatchFormatError(f"{where}: token_index {bad[0]} has no label in shift_labels")
+        old = r.get("old_log_probs") or [None] * len(idx)
+        rows.append(_row(r["input_ids"], r["position_ids"], idx, [labels[i] for i in idx], old,
+                         tree_mask(len(r["input_ids"]), r["tree_kv_index"], r["tree_cu_seqlens_q"],
+                                   r["tree_cu_seqlens_k"]), where))
     return rows
 
 
