@@ -258,3 +258,27 @@ def test_certify_passes_our_packer_and_fails_the_persistent_flattening(model, tm
     cert = json.loads((tmp_path / "bad.json").read_text())
     assert e.value.code == 1 and not cert["passed"] and cert["ledgers"]["real"]["placement"]["counts"]["leaked"] > 0
     assert cert["ledgers"]["real"]["max_abs_ratio_minus_1"] > 1e-4  # at lr = 0 its ratios are off 1
+
+
+def test_layouts_side_by_side_on_the_same_episodes(model, tmp_path):
+    from memopd.cli import main
+    from memopd.records import save_episodes
+
+    eps = _episodes()[2:4]  # summary_replacement, sliding_window
+    save_episodes(tmp_path / "eps.parquet", eps)
+    model.save_pretrained(tmp_path / "model")
+    main(["audit", "representations", "--model", str(tmp_path / "model"), "--episodes", str(tmp_path / "eps.parquet"),
+          "--repeats", "2", "--out", str(tmp_path / "r.csv")])
+    import csv
+
+    with open(tmp_path / "r.csv", newline="") as f:
+        rows = {r["layout"]: r for r in csv.DictReader(f)}
+    actions = sum(len(i.output_ids) for e in eps for i in e.invocations)
+    assert set(rows) >= {"ours", "one row per call", "persistent", "mem1 stitched"}
+    for name in ("ours", "one row per call") + (("trl tree",) if "trl tree" in rows else ()):
+        assert int(rows[name]["exact_tokens"]) == actions and float(rows[name]["max_abs_dlogp"]) < 1e-5, name
+    assert int(rows["persistent"]["off_state_tokens"]) > 0 and int(rows["mem1 stitched"]["off_state_tokens"]) > 0
+    # by hand: ours holds each prefix once, one row per call holds it in every call
+    per_call = sum(len(i.input_ids) + len(i.output_ids) for e in eps for i in e.invocations)
+    assert int(rows["one row per call"]["packed_tokens"]) == per_call > int(rows["ours"]["packed_tokens"])
+    assert float(rows["ours"]["tokens_vs_ours"]) == 1.0 and (tmp_path / "r.md").read_text().count("Finding:") == len(rows)

@@ -205,3 +205,9 @@ def read_ledger(path: str | Path) -> tuple[dict, list[LedgerEpisode]]:
         seen.add(ep.episode)
         episodes.append(ep)
     return head, episodes
+
+
+def from_episodes(episodes: list[Episode], sampling: dict | None = None) -> list[LedgerEpisode]:
+    """Our episodes as ledger episodes, through the same checks a ledger file gets."""
+    head = {"sampling": sampling or {}}
+    return [_episode(episode_line(ep, f"e{i}"), i + 2, head) for i, ep in enumerate(episodes)]

@@ -128,6 +128,34 @@ rule audit_alignment:
         "--threads {threads} --out {output.csv} > {log} 2>&1"
 
 
+rule audit_batch_layouts:
+    # other trainers' layouts of the same episodes beside our packer (its own target, outside `all`: docs/results.md
+    # "Batch layouts of other trainers")
+    input:
+        model=AUDIT_MODEL,
+        episodes=expand("results/audit/episodes_{rule}.parquet", rule=["summary_replacement", "sliding_window"]),
+    output:
+        csv=report("results/tables/batch_layouts.csv", caption=caption("batch_layouts"), category=REPORT_AUDITS,
+                   subcategory="other trainers"),
+        md="results/tables/batch_layouts.md",
+    params:
+        code=code("audit representations"),
+        memopd=MEMOPD,
+        model=lambda w, input: os.path.dirname(input.model),
+    log:
+        f"{LOGS}/audit_batch_layouts.log",
+    benchmark:
+        f"{LOGS}/bench/audit_batch_layouts.tsv"
+    threads: job_threads("audit_batch_layouts")
+    resources:
+        **job_resources("audit_batch_layouts"),
+    conda:
+        ENV_GPU
+    shell:
+        "{params.memopd} audit representations --model {params.model} --episodes {input.episodes} --repeats 5 "
+        "--threads {threads} --out {output.csv} > {log} 2>&1"
+
+
 rule audit_state_corruption:
     input:
         model=AUDIT_MODEL,
