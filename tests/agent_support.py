@@ -139,3 +139,28 @@ def protocol_student(steps: int = 30, seed: int = 0):
         opt.step()
         opt.zero_grad()
     return model.eval()
+
+
+def training_dir(d: Path, tasks: int, steps: int, batch_tasks: int, new_tokens: int) -> dict:
+    """A training run's inputs in `d` (a protocol-speaking student, a random teacher, `tasks` Q2 training tasks, the
+    retrieval index) and its config sections (the embedded default's, at this size)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    protocol_student().save_pretrained(d / "student")
+    tokenizer().save_pretrained(d / "student")
+    random_student(7).save_pretrained(d / "teacher")
+    tokenizer().save_pretrained(d / "teacher")
+    ts = nq_tasks(tasks, n_questions=2, start=40, benchmark="q2_train")
+    pq.write_table(pa.table({"task_id": [t.task_id for t in ts], "questions": [t.questions for t in ts],
+                             "answers": [t.answers for t in ts], "benchmark": [t.benchmark for t in ts]}),
+                   d / "q2_train.parquet")
+    retriever().save(d / "index")
+    cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    cfg = {k: cfg[k] for k in ("train", "agent", "rollout")}
+    # the tiny student has 4 layers (the default's critic: 6 of SmolLM2's 30)
+    cfg["train"].update(steps=steps, batch_tasks=batch_tasks, checkpoint_every=1, critic_layers=None)
+    cfg["rollout"].update(max_new_tokens=new_tokens, batch_size=batch_tasks)
+    cfg["agent"].update(invalid_action="continue", max_observation_tokens=48, turns={"default": 3})
+    return cfg

@@ -65,29 +65,11 @@ def test_sft_and_pretraining_killed_in_their_last_writes_retrain_nothing(stage, 
 
 
 def test_a_training_run_killed_in_its_last_writes_retrains_nothing(tmp_path, tracking, monkeypatch):
-    import yaml
-
     import memopd.train.loop
-    from agent_support import ROOT, nq_tasks, protocol_student, random_student, retriever, tokenizer
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from agent_support import training_dir
 
     d = tmp_path
-    protocol_student().save_pretrained(d / "student")
-    tokenizer().save_pretrained(d / "student")
-    random_student(7).save_pretrained(d / "teacher")
-    tokenizer().save_pretrained(d / "teacher")
-    tasks = nq_tasks(6, n_questions=2, start=40, benchmark="q2_train")
-    pq.write_table(pa.table({"task_id": [t.task_id for t in tasks], "questions": [t.questions for t in tasks],
-                             "answers": [t.answers for t in tasks], "benchmark": [t.benchmark for t in tasks]}),
-                   d / "q2_train.parquet")
-    retriever().save(d / "index")
-    cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    cfg = {k: cfg[k] for k in ("train", "agent", "rollout")}
-    cfg["train"].update(steps=2, batch_tasks=2, checkpoint_every=1, critic_layers=None)
-    cfg["rollout"].update(max_new_tokens=16, batch_size=2)
-    cfg["agent"].update(invalid_action="continue", max_observation_tokens=48, turns={"default": 3})
+    cfg = training_dir(d, tasks=6, steps=2, batch_tasks=2, new_tokens=16)
     argv = ["train", "--cfg", json.dumps(cfg), "--method", "memopd", "--seed", "0", "--student", str(d / "student"),
             "--teacher", str(d / "teacher"), "--tasks", str(d / "q2_train.parquet"), "--index", str(d / "index"),
             "--out-dir", str(d / "run"), "--export", str(d / "export"), "--tracking", tracking]

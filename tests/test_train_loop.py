@@ -3,14 +3,12 @@ import json
 import re
 import statistics
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
-from agent_support import ROOT, nq_tasks, protocol_student, random_student, retriever, tokenizer
+from agent_support import ROOT, nq_tasks, protocol_student, random_student, retriever, tokenizer, training_dir
 from memopd.report.results import table_rows
 from memopd.train.loop import task_order, train_run
 
@@ -18,21 +16,8 @@ from memopd.train.loop import task_order, train_run
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("train")
-    protocol_student().save_pretrained(d / "student")
-    tokenizer().save_pretrained(d / "student")
-    random_student(7).save_pretrained(d / "teacher")
-    tokenizer().save_pretrained(d / "teacher")
-    tasks = nq_tasks(12, n_questions=2, start=40, benchmark="q2_train")
-    pq.write_table(pa.table({"task_id": [t.task_id for t in tasks], "questions": [t.questions for t in tasks],
-                             "answers": [t.answers for t in tasks], "benchmark": [t.benchmark for t in tasks]}),
-                   d / "q2_train.parquet")
-    retriever().save(d / "index")
-    cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    cfg = {k: cfg[k] for k in ("train", "agent", "rollout")}
-    cfg["train"].update(steps=3, batch_tasks=3, checkpoint_every=1, keep_checkpoint=True,
-                        critic_layers=None)  # the tiny student has 4 layers (the default's critic: 6 of SmolLM2's 30)
-    cfg["rollout"].update(max_new_tokens=24, batch_size=3)
-    cfg["agent"].update(invalid_action="continue", max_observation_tokens=48, turns={"default": 3})
+    cfg = training_dir(d, tasks=12, steps=3, batch_tasks=3, new_tokens=24)
+    cfg["train"].update(keep_checkpoint=True)
     return d, cfg
 
 
