@@ -382,3 +382,29 @@ def test_a_store_that_fails_mid_run_loses_nothing_and_never_holds_the_job(store,
     assert r.info.status == "FINISHED" and len(calls) > 4
     assert [(m.step, m.value) for m in _client(uri).get_metric_history(run_id, "x")] == [(0, 0.0), (1, 1.0), (2, 2.0)]
     assert not list(Path("results/tracking/spool").glob("*"))  # all sent: nothing left behind
+
+
+def test_the_schema_states_the_tracking_defaults_the_code_declares():
+    """Snakemake fills a missing key from the schema's `default`, a command from TrackingConfig: one value each."""
+    from dataclasses import MISSING, fields
+
+    import yaml
+
+    from memopd.tracking import TrackingConfig
+
+    schema = yaml.safe_load((Path(__file__).parents[1] / "workflow/schemas/config.schema.yaml").read_text())
+    props = schema["properties"]["tracking"]["properties"]
+    declared = {f.name: f.default for f in fields(TrackingConfig) if f.default is not MISSING}
+    assert set(props) == {f.name for f in fields(TrackingConfig)}
+    assert {k: props[k]["default"] for k in declared} == declared
+    assert set(schema["properties"]["tracking"]["required"]) == {f.name for f in fields(TrackingConfig)} - set(declared)
+
+
+def test_a_misspelt_tracking_key_is_named():
+    from memopd.inputs import ConfigError
+    from memopd.tracking import TrackingConfig
+
+    with pytest.raises(ConfigError, match=r"unknown keys \['end_timeout'\]"):
+        TrackingConfig.from_json('{"uri": "sqlite:///x.db", "experiment": "e", "end_timeout": 3}')
+    with pytest.raises(ConfigError, match=r"lacks \['experiment'\]"):
+        TrackingConfig.from_json('{"uri": "sqlite:///x.db"}')

@@ -84,7 +84,7 @@ def _replay(*spools):
 
 
 def test_a_server_killed_mid_run_then_replayed_into_the_same_run(up, tmp_path):
-    settings = TrackingConfig(uri=up.uri, spool=str(tmp_path / "spool"), **SETTINGS)
+    settings = TrackingConfig(uri=up.uri, experiment="memopd", spool=str(tmp_path / "spool"), **SETTINGS)
     t0 = time.monotonic()
     with start_run(up.uri, "memopd", "mid-run", {"lr": 1}, stage="train", model="m", seed=0, settings=settings) as run:
         for s in range(3):
@@ -110,7 +110,7 @@ def test_a_server_killed_mid_run_then_replayed_into_the_same_run(up, tmp_path):
 
 
 def test_a_server_down_at_the_start_the_job_goes_on_and_replay_creates_its_run(up, tmp_path):
-    settings = TrackingConfig(uri=up.uri, spool=str(tmp_path / "spool"), **SETTINGS)
+    settings = TrackingConfig(uri=up.uri, experiment="memopd", spool=str(tmp_path / "spool"), **SETTINGS)
     up.stop()
     t0 = time.monotonic()
     with start_run(up.uri, "memopd", "offline", {}, stage="sft_train", model="student_sft", seed=1,

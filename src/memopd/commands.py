@@ -99,7 +99,10 @@ def cmd_tracking_replay(args, cfg):
     """What jobs could not send to the tracking store (their spools: memopd.spool), sent now into the same runs;
     --cfg {"uri": ...} sends them to another address of the store (a server that moved)."""
     from memopd.spool import replay, spool_files
+    from memopd.tracking import TrackingConfig, bounded_http
 
+    # a server that is down is refused in seconds (MLflow's own retries would hold each record for minutes)
+    bounded_http(TrackingConfig.__dataclass_fields__["http_timeout_s"].default)
     files = spool_files(args.spool)
     existing(*files)
     failed = []

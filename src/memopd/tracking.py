@@ -206,8 +206,8 @@ class TrackingConfig:
     """The `tracking` config section (every default declared here; workflow/schemas/config.schema.yaml documents
     the keys): where runs go, and how long a job ever waits for the store."""
 
-    uri: str = DEFAULT_URI
-    experiment: str = "memopd"
+    uri: str
+    experiment: str
     sqlite_in_slurm_jobs: bool = False
     spool: str = "results/tracking/spool"  # what could not be sent yet, per run (memopd.spool)
     http_timeout_s: float = 10.0  # one HTTP request to a tracking server, at most (MLflow's own retries off)
@@ -216,9 +216,14 @@ class TrackingConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "TrackingConfig":
+        """--tracking JSON; a misspelt, unknown or missing key is a ConfigError naming it (one line, exit 2)."""
+        from memopd.inputs import ConfigError
+
         d = json.loads(text)
         if unknown := set(d) - {f.name for f in fields(cls)}:
-            raise ValueError(f"tracking: unknown keys {sorted(unknown)}")
+            raise ConfigError(f"config section 'tracking': unknown keys {sorted(unknown)}")
+        if missing := [k for k in ("uri", "experiment") if k not in d]:
+            raise ConfigError(f"config section 'tracking' lacks {missing}")
         return cls(**d)
 
 
