@@ -282,3 +282,24 @@ def test_layouts_side_by_side_on_the_same_episodes(model, tmp_path):
     per_call = sum(len(i.input_ids) + len(i.output_ids) for e in eps for i in e.invocations)
     assert int(rows["one row per call"]["packed_tokens"]) == per_call > int(rows["ours"]["packed_tokens"])
     assert float(rows["ours"]["tokens_vs_ours"]) == 1.0 and (tmp_path / "r.md").read_text().count("Finding:") == len(rows)
+
+
+def test_the_sampling_support_by_hand():
+    """vLLM's order: the top_k largest, then the smallest set of those whose mass reaches top_p (the token that
+    crosses it included), renormalised; by a plain loop over a small distribution."""
+    import math
+
+    probs = [0.05, 0.4, 0.1, 0.3, 0.15]
+    lp = torch.tensor([math.log(p) for p in probs])
+    for top_p, top_k in ((0.7, 0), (0.71, 0), (1.0, 2), (0.5, 3), (0.9, 4)):
+        order = sorted(range(5), key=lambda i: -probs[i])[: top_k or 5]
+        mass = sum(probs[i] for i in order)
+        keep, cum = [], 0.0
+        for i in order:
+            if cum / mass >= top_p:
+                break
+            keep.append(i)
+            cum += probs[i]
+        total = sum(probs[i] for i in keep)
+        want = [math.log(probs[i] / total) if i in keep else -math.inf for i in range(5)]
+        assert renormalised(lp, top_p, top_k).tolist() == pytest.approx(want), (top_p, top_k)

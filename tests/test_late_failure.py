@@ -82,3 +82,19 @@ def test_a_training_run_killed_in_its_last_writes_retrains_nothing(tmp_path, tra
     main(argv)
     assert (d / "export/model.safetensors").exists() and not (d / "run/checkpoint").exists()
     assert [json.loads(x)["step"] for x in (d / "run/metrics.jsonl").read_text().splitlines()] == [0, 1]
+
+
+def test_a_training_runs_steps_are_its_tracked_runs_steps(tmp_path, tracking):
+    """Each step's metrics go to the run at the step metrics.jsonl gives it."""
+    from mlflow.tracking import MlflowClient
+
+    from agent_support import training_dir
+
+    cfg = training_dir(tmp_path, tasks=4, steps=2, batch_tasks=2, new_tokens=12)
+    main(["train", "--cfg", json.dumps(cfg), "--method", "ppo", "--seed", "0", "--student", str(tmp_path / "student"),
+          "--tasks", str(tmp_path / "q2_train.parquet"), "--index", str(tmp_path / "index"), "--out-dir",
+          str(tmp_path / "run"), "--tracking", tracking])
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    uri = json.loads(tracking)["uri"]
+    run_id = json.loads((tmp_path / "run/mlflow_run.json").read_text())["run_id"]
+    assert [m.step for m in MlflowClient(uri).get_metric_history(run_id, "reward/f1")] == steps == [0, 1]
