@@ -31,6 +31,18 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
+def merge_files(paths) -> dict:
+    """Config files merged in order as Snakemake merges --configfile (later keys win, mappings merged deep)."""
+    def merge(a, b):
+        return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+                        for k, v in b.items()}}
+
+    cfg: dict = {}
+    for p in paths:
+        cfg = merge(cfg, read_yaml(p))
+    return cfg
+
+
 def validate(cfg: dict, schema: str | Path = SCHEMA) -> None:
     """UsageError naming the first place where `cfg` breaks the schema (its key path, what is wrong)."""
     import jsonschema

@@ -42,6 +42,7 @@ try:
     from memopd.methods import METHODS, teacher_model
     from memopd.prefetch import encodings_dir, hub_repos, localize
     from memopd.report.archive import contents as archive_contents
+    from memopd.schema import merge_files
     from memopd.study.chain import chain_models
 finally:
     sys.path.remove(SRC)
@@ -219,22 +220,6 @@ def train_teacher(wildcards):
     for it). `memopd_self`'s teacher is the SFT student itself."""
     model = teacher_model(wildcards.method, config["train"])
     return {"teacher": f"results/models/{model}/model.safetensors"} if model else {}
-
-
-def merged_config(files):
-    """A config as Snakemake merges its files (mapping by mapping, the later file wins): what the nested workflow
-    of rule study sees."""
-    import yaml
-
-    def merge(a, b):
-        return {**a, **{k: merge(a[k], v) if isinstance(a.get(k), dict) and isinstance(v, dict) else v
-                        for k, v in b.items()}}
-
-    out = {}
-    for f in files:
-        with open(f) as fh:
-            out = merge(out, yaml.safe_load(fh) or {})
-    return out
 
 
 def model_init_inputs(w):

@@ -7,7 +7,7 @@
 
 STUDY = config.get("study")
 
-STUDY_CONFIG = merged_config(STUDY["configs"]) if STUDY else {}  # the nested workflow's config
+STUDY_CONFIG = merge_files(STUDY["configs"]) if STUDY else {}  # the nested workflow's config (as Snakemake merges it)
 STUDY_DIR = "results/study"
 # What the study reports, relative to STUDY_DIR (the nested workflow's targets).
 STUDY_TABLES = ["results/tables/retrieval_recall.csv", "results/tables/sft_summary.csv",

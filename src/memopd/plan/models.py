@@ -115,14 +115,8 @@ def model_role(name: str) -> str:
 def load_config(paths: list[str]) -> dict:
     """YAML config files merged in order, as Snakemake merges --configfile (later keys win, dicts deep), and
     validated against the workflow's schema: a bad file or key is a UsageError naming it (memopd.schema)."""
-    from memopd.schema import read_yaml, validate
+    from memopd.schema import merge_files, validate
 
-    def merge(a, b):
-        return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
-                        for k, v in b.items()}}
-
-    cfg: dict = {}
-    for p in paths:
-        cfg = merge(cfg, read_yaml(p))
+    cfg = merge_files(paths)
     validate(cfg)
     return cfg
