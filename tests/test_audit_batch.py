@@ -14,6 +14,7 @@ from memopd.audit.adapters import BatchRow, packed_rows, read_batch
 from memopd.audit.batch import audit, renormalised
 from memopd.ledger import read_ledger, write_ledger
 from memopd.packing import pack
+from memopd.records import Episode, Invocation, flatten_history
 from memopd.synthetic import RULES, random_episode
 from test_sft import tiny
 
@@ -43,8 +44,8 @@ def _exact_logprobs(model, ep):
     return out
 
 
-def _ledger(tmp_path, model, engine="exact", top_p=1.0, noise=0.0):
-    eps = _episodes()
+def _ledger(tmp_path, model, engine="exact", top_p=1.0, noise=0.0, eps=None):
+    eps = eps or _episodes()
     rng = random.Random(9)
     for ep in eps:
         for inv, lps in zip(ep.invocations, _exact_logprobs(model, ep)):
@@ -158,6 +159,55 @@ def test_each_frameworks_layout_one_row_per_call_is_exact(model, tmp_path):
         c = r["placement"]["counts"]
         assert c["exact"] == sum(len(row.target_id) for row in rows) and not any(
             v for k, v in c.items() if k != "exact"), (fmt, c)
+
+
+def _tinker_trajectory_to_data(calls):
+    """tinker-cookbook's `trajectory_to_data` (tinker_cookbook/rl/data_processing.py at 9dfcc3a), by hand (the
+    package does not resolve here): a call whose observation extends the datum so far appends to it, any other
+    call starts a new datum; the input is the sequence shifted right, the targets shifted left, mask 1 on actions."""
+    data, seq, mask = [], [], []
+
+    def flush():
+        data.append({"model_input": {"tokens": seq[:-1]},
+                     "loss_fn_inputs": {"target_tokens": seq[1:], "mask": mask[1:]}})
+
+    for x, a in calls:
+        if seq and x[:len(seq)] == seq:
+            delta = x[len(seq):]
+        else:
+            if seq:
+                flush()
+            seq, mask, delta = [], [], x
+        seq, mask = seq + delta + a, mask + [0] * len(delta) + [1] * len(a)
+    flush()
+    return data
+
+
+def _sampled_under_persistent_view(ep):
+    """The episode as an agent shown its whole history would have sampled it: each call's input the earlier calls'
+    inputs and responses in order (append-only), the responses unchanged."""
+    ins, outs = [inv.input_ids for inv in ep.invocations], [inv.output_ids for inv in ep.invocations]
+    invs = []
+    for t, inv in enumerate(ep.invocations):
+        ids, spans = flatten_history(ep.prefix_len, ins[:t + 1], outs[:t])
+        invs.append(Invocation(ids, inv.output_ids, stop_reason="stop", retained=spans))
+    return Episode(task_id=ep.task_id + "-persistent", prefix_len=ep.prefix_len, invocations=invs).validate()
+
+
+def test_tinkers_merged_datums_are_exact(model, tmp_path):
+    """tinker merges an append-only episode's calls into one datum and starts a new one where memory rewrites the
+    context: a datum holding several calls still scores each action under its own call's state."""
+    eps = _episodes()
+    eps, ledger = _ledger(tmp_path, model, eps=eps + [_sampled_under_persistent_view(eps[0])])
+    data = [_tinker_trajectory_to_data(_per_call([ep])) for ep in eps]
+    assert len(data[-1]) == 1 < len(eps[-1].invocations)  # the append-only episode: one datum
+    assert all(len(d) == len(ep.invocations) for d, ep in zip(data[:-1], eps[:-1]))  # memory rewrites: one a call
+    (tmp_path / "tinker.json").write_text(json.dumps([d for ds in data for d in ds]))
+    rows = read_batch(tmp_path / "tinker.json", "tinker")
+    r = audit(None, rows, ledger, numbers=False)
+    c = r["placement"]["counts"]
+    assert c["exact"] == sum(len(inv.output_ids) for ep in eps for inv in ep.invocations), c
+    assert not any(v for k, v in c.items() if k != "exact"), c
 
 
 def test_trls_own_tree_packing_of_our_calls_is_exact(model, tmp_path):

@@ -6,17 +6,18 @@ The batch is a JSON file of the framework's own field names (docs/audit-your-bat
 
   verl     DataProto's tensors, one row each: input_ids, attention_mask, position_ids [B, P+R]; responses,
            response_mask, rollout_log_probs [B, R] (the last R columns of input_ids are the response)
-           (verl/protocol.py, verl/experimental/agent_loop/agent_loop.py)
+           (verl/protocol.py, verl/experimental/agent_loop/agent_loop.py at b178a3c)
   skyrl    GeneratorOutput: prompt_token_ids, response_ids, loss_masks, rollout_logprobs (ragged, one per sample)
-           (skyrl_train/generators/base.py)
+           (skyrl/train/generators/base.py at a956457)
   trl      AsyncGRPO's packed rows, TreeRow.pack() of trl 1.16.0 (trl/experimental/async_grpo/packing.py): the
            samples folded into a prefix trie, input_ids, position_ids, shift_labels [N]; token_index, old_log_probs
            [M]; tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k (each segment sees its root-to-segment path)
   tinker   a list of Datum: model_input (tokens [N]); loss_fn_inputs target_tokens, logprobs, mask [N]: the
-           target at k is predicted at input position k (tinker_cookbook/rl/data_processing.py)
+           target at k is predicted at input position k; one datum holds consecutive calls whose observation
+           extends it (tinker_cookbook/rl/data_processing.py at 9dfcc3a)
   mem1     MEM1's stitched episodes: input_ids, position_ids [L], attention_mask_4d [L, L] (1 = may attend),
            loss_mask [L] (1 = a model token that carries loss), old_log_probs [L] (at the token's position)
-           (Mem1/train/rollout/llm_agent/generation_think.py: _compose_final_output)
+           (Mem1/train/rollout/llm_agent/generation_think.py at 6f22061: _compose_final_output)
   rows     this module's own layout: input_ids, position_ids, pred_index, target_id, old_log_probs, and `mask`
            [L, L] or `document` [L] (none: causal over the row)
 """
