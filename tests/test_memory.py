@@ -1,11 +1,14 @@
 """Memory-rewrite rules on a hand-made episode: exact contexts and exact provenance."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from memopd.agent.memory import Turn, build_input
+from memopd.agent.memory import MemoryRuleError, Turn, build_input
 from memopd.config import RULES, MemoryConfig
+from memopd.inputs import ConfigError, UsageError
 from memopd.packing import ACTION, CONTEXT, pack
 from memopd.records import Episode, Invocation, Retained
 
@@ -75,3 +78,45 @@ def test_rewritten_episode_packs_with_context_copies(rule):
         dst = in_call[r.dst_start - len(Q) : r.dst_start - len(Q) + r.length]
         assert (p.role[dst] == CONTEXT).all() and not (p.role[dst] == ACTION).any()
         assert p.position_ids[dst].tolist() == list(range(r.dst_start, r.dst_start + r.length))
+
+
+def test_a_users_rule_by_import_path_builds_its_context():
+    """agent.rule names a function in the user's module; its result by hand: the two last <think> blocks (call 1
+    wrote none) and the newest observation, the copied block recorded as retained."""
+    cfg = MemoryConfig("user_memory_rules:two_thinks")
+    assert build_input(Q, H, cfg) == (Q + [30, 31, 32, 93, 94], [Retained(2, 0, 3, 3)])
+    assert build_input(Q, H[:1], cfg) == (Q + [10, 11, 90, 91], [Retained(0, 0, 3, 2)])
+    assert build_input(Q, [], cfg) == (Q, [])
+
+
+@pytest.mark.parametrize("rule,says", [
+    ("user_memory_rules:rewrites_prefix", "memory rule 'user_memory_rules:rewrites_prefix', call 3: the context "
+     "changes the prefix"),
+    ("user_memory_rules:claims_a_copy", "memory rule 'user_memory_rules:claims_a_copy', call 3: retained span "
+     "Retained(src_call=2, src_start=0, dst_start=3, length=2) does not hold the source tokens"),
+    ("user_memory_rules:no_such_rule", "agent.rule 'user_memory_rules:no_such_rule': cannot import it "
+     "(AttributeError"),
+    ("no_such_module_here:rule", "agent.rule 'no_such_module_here:rule': cannot import it (ModuleNotFoundError"),
+])
+def test_a_rule_that_breaks_the_contract_is_named(rule, says):
+    with pytest.raises(MemoryRuleError) as e:
+        build_input(Q, H, MemoryConfig(rule))
+    assert str(e.value).startswith(says), str(e.value)
+
+
+def test_a_rule_that_is_neither_built_in_nor_an_import_path_is_a_config_error():
+    with pytest.raises(ConfigError, match="agent.rule 'summary': neither a built-in rule"):
+        MemoryConfig("summary")
+
+
+def test_the_workflow_schema_takes_a_users_rule_and_refuses_a_misspelt_one():
+    from memopd.schema import merge_files, validate
+
+    cfg = merge_files([Path(__file__).parents[1] / "config/config.yaml"])
+    for rule, ok in (("mypkg.rules:two_thinks", True), ("sliding_window", True), ("summary", False)):
+        cfg["agent"]["rule"] = rule
+        if ok:
+            validate(cfg)
+        else:
+            with pytest.raises(UsageError, match="config agent.rule: 'summary'"):
+                validate(cfg)

@@ -135,7 +135,7 @@ def test_hf_rollout_reproducible():
     assert same >= 3
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", RULES + ("user_memory_rules:two_thinks",))
 def test_integration_rollout_pack_rce(rule):
     """Real episodes (tiny student, HF backend, NQ questions, BM25) under `rule`: every call recorded
     exactly, retained spans present, packed RCE in fp32 on every action token for every CPU backend."""
@@ -162,6 +162,20 @@ def test_integration_rollout_pack_rce(rule):
         assert r["passed"], f"{rule} {name}: RCE max |dlogp| {r['max_abs_dlogp']:.3g}"
         assert r["action_tokens"] == int(p.act_mask.sum()) and r["top1_agreement"] == 1.0
     assert mismatch.max() < 1e-2  # loose sanity bound; the figure is reported, not the point
+
+
+def test_a_users_rule_runs_through_the_alignment_audit():
+    """A rule from the user's module (tests/user_memory_rules.py): its real episodes pass the context-update audit
+    on every CPU backend; packed rows sit at the floor, running positions far above it."""
+    from memopd.audit.alignment import context_update_rows, state_rows
+
+    model, rule = protocol_student(), "user_memory_rules:two_thinks"
+    eps = _hf_rollout(rule, seed=5, n=3)
+    assert all(e.metrics["rule"] == rule for e in eps) and any(i.retained for e in eps for i in e.invocations)
+    rows = context_update_rows(model, {rule: eps}, list(BACKENDS))
+    assert len(rows) == len(BACKENDS) and all(r["passed"] and r["memory_updates"] > 0 for r in rows), rows
+    by = {r["state"]: r for r in state_rows(model, eps, ["packed_sdpa", "corrupt_positions"])}
+    assert by["packed_sdpa"]["max_abs_dlogp"] <= 1e-5 and by["corrupt_positions"]["max_abs_dlogp"] > 1e-3
 
 
 def test_the_persistent_view_shows_the_transcript_of_the_exact_states():

@@ -15,22 +15,23 @@ from memopd.inputs import ConfigError, section
 from memopd.methods import control_methods
 
 RULES = ("full_retention", "suffix_retention", "summary_replacement", "sliding_window", "retrieval_refresh")
-REFRESH_OBSERVATION = {"retrieval_refresh"}  # rules whose observation is re-retrieved at every call
+USER_RULE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # a user's rule by import path, module:function
 VIEWS = ("exact", "persistent")  # what a model is shown at each call (AgentConfig.view)
 ENGINES = ("hf", "vllm")  # generation engines (rollout.backend)
 
 
 @dataclass
 class MemoryConfig:
-    """How the next call's context is built (memopd.agent.memory)."""
+    """How the next call's context is built (memopd.agent.memory): a built-in rule, or module:function."""
 
     rule: str = "summary_replacement"
     suffix_tokens: int = 32  # K of suffix_retention
     window: int = 2  # W of sliding_window
 
     def __post_init__(self):
-        if self.rule not in RULES:
-            raise ValueError(f"unknown memory rule {self.rule!r}; choose from {RULES}")
+        if self.rule not in RULES and not USER_RULE.fullmatch(self.rule):
+            raise ConfigError(f"agent.rule {self.rule!r}: neither a built-in rule {RULES} nor an import path "
+                              "module:function")
         if self.suffix_tokens < 1 or self.window < 1:
             raise ValueError("suffix_tokens and window must be >= 1")
 

@@ -59,6 +59,20 @@ def flatten_history(prefix_len: int, inputs: list[list[int]], outputs: list[list
     return ids + list(inputs[-1][prefix_len:]), spans
 
 
+def span_error(r: Retained, t: int, outputs: list[list[int]], input_ids: list[int], prefix_len: int) -> str | None:
+    """What is wrong with retained span `r` of call t (None: nothing), given the responses of calls 0..t-1."""
+    if not (0 <= r.src_call < t):
+        return f"retained span from call {r.src_call} (must be earlier)"
+    src = outputs[r.src_call]
+    if r.length <= 0 or r.src_start < 0 or r.src_start + r.length > len(src):
+        return f"retained span {r} outside call {r.src_call}'s response"
+    if r.dst_start < prefix_len or r.dst_start + r.length > len(input_ids):
+        return f"retained span {r} outside the context of this call"
+    if input_ids[r.dst_start : r.dst_start + r.length] != src[r.src_start : r.src_start + r.length]:
+        return f"retained span {r} does not hold the source tokens"
+    return None
+
+
 @dataclass
 class Episode:
     task_id: str
@@ -91,15 +105,9 @@ class Episode:
             if inv.logprobs is not None and len(inv.logprobs) != len(inv.output_ids):
                 raise RecordError(f"{where}: {len(inv.logprobs)} log-probs for {len(inv.output_ids)} tokens")
             for r in inv.retained:
-                if not (0 <= r.src_call < t):
-                    raise RecordError(f"{where}: retained span from call {r.src_call} (must be earlier)")
-                src = self.invocations[r.src_call].output_ids
-                if r.length <= 0 or r.src_start < 0 or r.src_start + r.length > len(src):
-                    raise RecordError(f"{where}: retained span {r} outside call {r.src_call}'s response")
-                if r.dst_start < self.prefix_len or r.dst_start + r.length > len(inv.input_ids):
-                    raise RecordError(f"{where}: retained span {r} outside the context of this call")
-                if inv.input_ids[r.dst_start : r.dst_start + r.length] != src[r.src_start : r.src_start + r.length]:
-                    raise RecordError(f"{where}: retained span {r} does not hold the source tokens")
+                bad = span_error(r, t, [i.output_ids for i in self.invocations[:t]], inv.input_ids, self.prefix_len)
+                if bad:
+                    raise RecordError(f"{where}: {bad}")
         return self
 
 

@@ -38,7 +38,7 @@ rule rce_smoke:
 AUDIT = config["audit"]
 AUDIT_MODEL = f"results/models/{AUDIT['model']}/model.safetensors"
 AUDIT_EPISODES = "results/audit/episodes.parquet"
-AUDIT_RULES = ["full_retention", "suffix_retention", "summary_replacement", "sliding_window", "retrieval_refresh"]
+AUDIT_RULES = list(RULES)  # the built-in rules (a user's agent.rule is audited through results/audit/episodes)
 AUDIT_TABLES = [f"results/tables/{t}.{ext}" for t in ("alignment_audit", "state_corruption", "teacher_divergence",
                 "action_domain", "context_updates", "packing_efficiency") for ext in ("csv", "md")] + [
                "results/figures/teacher_divergence.png", "results/figures/packing_efficiency.png"]

@@ -38,7 +38,7 @@ PYTHON_ONLINE = 'PYTHONPATH="$MEMOPD_SRC${PYTHONPATH:+:$PYTHONPATH}" "$MEMOPD_PY
 sys.path.insert(0, SRC)  # this checkout's library, as the jobs run it
 try:
     from memopd.codegraph import command_hash, command_targets, package_hash
-    from memopd.config import eval_job_config, matched_control_config, method_section, trained_runs
+    from memopd.config import RULES, eval_job_config, matched_control_config, method_section, trained_runs
     from memopd.methods import METHODS, teacher_model
     from memopd.prefetch import encodings_dir, hub_repos, localize
     from memopd.report.archive import contents as archive_contents

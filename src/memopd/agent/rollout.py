@@ -15,11 +15,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from memopd.agent.memory import Turn, build_input
+from memopd.agent.memory import Turn, build_input, refreshes_observation
 from memopd.agent.protocol import (Action, Observation, Task, invalid_text, parse_response,
                                    prefix_ids, token_prefix_len)
 from memopd import metrics
-from memopd.config import REFRESH_OBSERVATION, AgentConfig
+from memopd.config import AgentConfig
 from memopd.progress import Progress
 from memopd.records import Episode, Invocation, Retained, flatten_history
 from memopd.retrieval.base import Retriever, format_passages
@@ -53,12 +53,12 @@ class _Env:
 
     def __init__(self, tokenizer, retriever: Retriever, cfg: AgentConfig):
         self.tok, self.retriever, self.cfg = tokenizer, retriever, cfg
+        self.refresh = refreshes_observation(cfg.rule)  # resolves the rule: a bad one fails before any call
 
     def observations(self, items: list[tuple[_State, Action]]) -> list[list[int]]:
-        refresh = self.cfg.rule in REFRESH_OBSERVATION
         queries = []
         for s, a in items:  # the query whose passages this observation shows ("" = none)
-            q = a.query if a.kind == "search" else (s.latest_query if refresh else "")
+            q = a.query if a.kind == "search" else (s.latest_query if self.refresh else "")
             queries.append(q)
         todo = [q for q in queries if q]
         found = iter(self.retriever.search(todo, self.cfg.top_k) if todo else [])

@@ -9,9 +9,8 @@ import math
 import random
 
 from memopd.audit.batch import audit
+from memopd.config import RULES
 from memopd.ledger import LedgerEpisode, read_ledger, write_ledger
-
-RULES = ("full_retention", "suffix_retention", "summary_replacement", "sliding_window", "retrieval_refresh")
 
 
 def load_packer(spec: str):
