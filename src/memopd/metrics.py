@@ -15,13 +15,11 @@ Cost
 - `peak_context`: the most tokens any one call held (input + its generated response).
 - `dependency`: sum over generated segments s of (|context| + |s|/2) * |s| -- the attention-cost
   integral of generating s after a context of |context| tokens.
-- `WallClock`: inference time measured as wall clock (time.perf_counter).
 """
 from __future__ import annotations
 
 import re
 import string
-import time
 import unicodedata
 from collections import Counter
 from typing import Iterable, Sequence
@@ -98,14 +96,6 @@ def score_answers(preds: Sequence[str], gold: Sequence[Sequence[str]]) -> dict:
             "em_per_question": em, "f1_per_question": f1, "answers_given": len(preds)}
 
 
-def mean_scores(scores: Iterable[dict], keys: Sequence[str] = ("em", "f1", "em_sum", "f1_sum")) -> dict:
-    """Average of per-task scores over tasks (the benchmark figure)."""
-    scores = list(scores)
-    if not scores:
-        return {k: float("nan") for k in keys} | {"tasks": 0}
-    return {k: sum(s[k] for s in scores) / len(scores) for k in keys} | {"tasks": len(scores)}
-
-
 def copy_probe(first_action: str, first_query: str, question: str) -> dict:
     """How well the model reproduces question 1 in its first call's search query (the protocol's first
     move, and what the SFT data teaches verbatim): token F1 and normalised exact match against the
@@ -132,20 +122,3 @@ def dependency(segments: Iterable[tuple[int, int]]) -> float:
             raise ValueError(f"negative segment length ({ctx}, {gen})")
         total += (ctx + gen / 2) * gen
     return total
-
-
-class WallClock:
-    """Wall-clock timer: `with WallClock() as t: ...; t.seconds`. Re-entering accumulates."""
-
-    def __init__(self):
-        self.seconds = 0.0
-        self._start = None
-
-    def __enter__(self):
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.seconds += time.perf_counter() - self._start
-        self._start = None
-        return False

@@ -90,7 +90,7 @@ def _run_ref(create: dict, run_id: str) -> dict:
 
 def send_op(client, op: dict, state: dict, create: dict) -> None:
     """Send one op (a `metrics` op may hold several ops' metrics, merged); `state["run_id"]` is set by `create`."""
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import Metric, Param
 
     kind, run_id = op["op"], state.get("run_id")
     if kind == "create":
@@ -99,8 +99,6 @@ def send_op(client, op: dict, state: dict, create: dict) -> None:
         items = [Param(k, v) for k, v in op["params"].items()]
         for i in range(0, len(items), PARAMS_PER_BATCH):
             client.log_batch(run_id, params=items[i:i + PARAMS_PER_BATCH])
-    elif kind == "tags":
-        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in op["tags"].items()])
     elif kind == "metrics":
         items = [Metric(k, float(v), ts, int(step)) for k, v, ts, step in op["items"]]
         for i in range(0, len(items), METRICS_PER_BATCH):

@@ -41,7 +41,6 @@ from pathlib import Path
 from memopd.spool import RUN_FILE, Sender, Spool, write_ref_file
 
 DEFAULT_URI = "sqlite:///results/mlflow.db"
-_RETRIES = 12  # ~1 minute of back-off in all before a locked write is an error (the store's creation)
 # MLflow 3 UI (server/js): the experiment tag `mlflow.experimentKind` (genai_development |
 # custom_model_development | ...) says the experiment is model training, not a GenAI app.
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
@@ -111,19 +110,6 @@ def git_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + ("-dirty" if dirty else "")
-
-
-def _retry(fn, *args, transient=("database is locked", "busy"), tries: int = _RETRIES, first_s: float = 0.05,
-           cap_s: float = 5.0, **kwargs):
-    """Call fn, retrying SQLite lock errors (or other `transient` messages; "" matches every error) with
-    exponential back-off (first_s ... cap_s)."""
-    for attempt in range(tries):
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:  # MlflowException wraps sqlalchemy's OperationalError
-            if attempt == tries - 1 or not any(s in str(e).lower() for s in transient):
-                raise
-            time.sleep(min(cap_s, first_s * 2 ** attempt))
 
 
 def dataset_entity(path: str | Path, name: str | None = None):
@@ -260,9 +246,6 @@ class Run:
     def log_params(self, params: dict) -> None:
         self._op({"op": "params", "params": {k: str(v) for k, v in params.items()}})
 
-    def set_tags(self, tags: dict) -> None:
-        self._op({"op": "tags", "tags": {k: str(v) for k, v in tags.items()}})
-
     def log_dict(self, obj: dict, name: str) -> None:
         """An artifact `name` (.json or .yaml) holding obj."""
         self._op({"op": "dict", "obj": json.loads(json.dumps(obj, default=str)), "name": name})
@@ -353,7 +336,6 @@ class NullRun:
 
     def log_metrics(self, metrics: dict, step: int) -> None: ...
     def log_params(self, params: dict) -> None: ...
-    def set_tags(self, tags: dict) -> None: ...
     def log_dict(self, obj: dict, name: str) -> None: ...
     def log_artifact(self, path, artifact_path=None) -> None: ...
     def log_input(self, path, context, name=None) -> None: ...

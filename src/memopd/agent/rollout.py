@@ -24,9 +24,6 @@ from memopd.progress import Progress
 from memopd.records import Episode, Invocation, Retained, flatten_history
 from memopd.retrieval.base import Retriever, format_passages
 
-END_REASONS = ("answer", "invalid", "turn_budget", "context_overflow")
-
-
 def call_seed(seed: int, index: int, task_id: str, call: int) -> int:
     digest = hashlib.sha256(f"{seed}/{index}/{task_id}/{call}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)

@@ -65,10 +65,6 @@ def task_sets(cfg: dict) -> list[TaskSet]:
     return out
 
 
-def output_names(cfg: dict) -> list[str]:
-    return [ts.name for ts in task_sets(cfg)]
-
-
 # --------------------------------------------------------------------------------------------- checks
 
 def check_config(cfg: dict, data_dir: str | Path) -> list[TaskSet]:

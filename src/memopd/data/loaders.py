@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-QA_FORMATS = ("hotpotqa_hf", "hotpotqa_official", "nq_open", "nq_oracle")
 PASSAGE_FORMATS = ("wiki18", "hotpotqa_hf", "hotpotqa_official", "nq_oracle")
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 
@@ -14,9 +14,6 @@ class Hit:
     title: str
     text: str
     score: float
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 class Retriever(ABC):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from memopd.agent.protocol import (ANSWER, ANSWER_END, INFO, INFO_END, SEARCH, SEARCH_END, THINK, THINK_END, Generation,
                                    Task, encode, questions_text)
@@ -90,20 +90,15 @@ def passages(observation: str) -> list[tuple[int, str, str]]:
             for j, m in enumerate(heads)]
 
 
-def find_alias(aliases: list[str], docs: list[tuple[int, str, str]]) -> tuple[str, int] | None:
-    """The first gold alias found in the passages, best-ranked passage first: (the span as the passage
-    spells it, k). Matching ignores case and punctuation between words; the span must still be an exact
-    match of an alias after SQuAD normalisation, so a claim never says more than the passage does."""
-    hit = _find(aliases, docs)
-    return (_spelled(hit[0]), hit[1]) if hit else None
-
-
 def _spelled(m: re.Match) -> str:
+    """A match as the passage spells it."""
     return " ".join(m.group(0).split())
 
 
 def _find(aliases: list[str], docs: list[tuple[int, str, str]]) -> tuple[re.Match, int, int] | None:
-    """find_alias's search: (the match in `title + " " + text` of passage k, k, len(title))."""
+    """The first gold alias found in the passages, best-ranked passage first: (the match in `title + " " + text` of
+    passage k, k, len(title)). Matching ignores case and punctuation between words; the span must still be an exact
+    match of an alias after SQuAD normalisation, so a claim never says more than the passage does."""
     for k, title, text in docs:
         body = f"{title} {text}"
         for alias in aliases:
@@ -291,7 +286,3 @@ def memory_claims(think: str) -> list[tuple[int, str]]:
         elif not s.startswith(NOT_FOUND):
             out.append((int(n), re.sub(r" \(Doc \d+\)$", "", s)))
     return out
-
-
-def config_dict(cfg: ScriptedConfig) -> dict:
-    return asdict(cfg)
