@@ -32,8 +32,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("memopd_persistent", "teacher", "persistent", "MemOPD with the teacher on the persistent history"),
     Method("memopd_self", "student", "exact", "MemOPD with the SFT student as its own teacher (a KL anchor)"),
 )}
+# The method every table compares with (its columns: rel_to_ppo_pct, diff_vs_ppo): the one with no teacher.
+BASELINE = next(m.name for m in METHODS.values() if not m.needs_teacher)
 # The matched control's three runs: no teacher, the teacher on the persistent history, on the exact state.
-MATCHED_METHODS = ("ppo", "memopd_persistent", "memopd")
+MATCHED_METHODS = (BASELINE, "memopd_persistent", "memopd")
 # The regularisation control: the matched-control table compares `memopd` with it when train.methods has it.
 SELF_CONTROL = "memopd_self"
 # The order of methods in figures and tables: the paper's, then the controls.

@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 
 from memopd.config import matched_control_config
-from memopd.methods import SELF_CONTROL
+from memopd.methods import BASELINE, SELF_CONTROL
 from memopd.outputs import pyplot, save_figure
 from memopd.stats import (NAN, VERDICT_RULE, SeedTest, compare_seeds, holm, noise_verdict, one_sample_test, paired_bca,
                           relative_change_pct, t_interval, two_level_bootstrap)
@@ -36,7 +36,7 @@ METRICS = {
 # increments (method, baseline, what it measures) and the paper's change of the mean in % ({}: the paper has no
 # such run); the last one only when the config trains the regularisation control (methods.control_methods).
 INCREMENTS = [
-    ("memopd_persistent", "ppo", "persistent teacher", {"f1": 5.6, "em": 4.4}),
+    ("memopd_persistent", BASELINE, "persistent teacher", {"f1": 5.6, "em": 4.4}),
     ("memopd", "memopd_persistent", "alignment on top", {"f1": 7.0, "em": 10.0}),
     ("memopd", SELF_CONTROL, "the teacher beyond a KL anchor", {}),
 ]
@@ -147,13 +147,13 @@ def table_rows(scores: dict, methods: list[str], horizons: dict[str, str], metri
     rows = []
     for bench, horizon in horizons.items():
         for metric in metrics:
-            ppo = {s: r[metric] for s, r in scores.get(("ppo", bench), {}).items()}
-            ppo_mean = statistics.fmean(ppo.values()) if ppo else NAN
+            base = {s: r[metric] for s, r in scores.get((BASELINE, bench), {}).items()}
+            base_mean = statistics.fmean(base.values()) if base else NAN
             for (model, b), result in (reference or {}).items():
                 if b == bench:
                     rows.append({**dict.fromkeys(COLUMNS, ""), "method": model, "horizon": horizon, "metric": metric,
                                  "mean": result[metric], "paper_rel_to_ppo_pct": NAN,
-                                 "rel_to_ppo_pct": relative_change_pct(ppo_mean, result[metric]) if ppo else NAN})
+                                 "rel_to_ppo_pct": relative_change_pct(base_mean, result[metric]) if base else NAN})
             for m in methods:
                 per_seed = {s: r[metric] for s, r in scores[(m, bench)].items()}
                 vals = [per_seed[s] for s in sorted(per_seed)]
@@ -161,10 +161,10 @@ def table_rows(scores: dict, methods: list[str], horizons: dict[str, str], metri
                 lo, hi = t_interval(vals)
                 row = {**dict.fromkeys(COLUMNS, ""), "method": m, "horizon": horizon, "metric": metric, "mean": mean,
                        "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "ci_low": lo, "ci_high": hi,
-                       "rel_to_ppo_pct": relative_change_pct(ppo_mean, mean) if ppo else NAN, "seeds": len(vals),
+                       "rel_to_ppo_pct": relative_change_pct(base_mean, mean) if base else NAN, "seeds": len(vals),
                        "paper_rel_to_ppo_pct": PAPER_MEMOPD_VS_PPO.get((horizon, metric), NAN) if m == "memopd" else NAN}
-                if m != "ppo" and ppo:
-                    t = compare_seeds(ppo, per_seed)
+                if m != BASELINE and base:
+                    t = compare_seeds(base, per_seed)
                     row = fill_test({**row, "diff_vs_ppo": t.diff, "diff_ci_low": t.ci_low, "diff_ci_high": t.ci_high},
                                     t, (horizon, metric) == (primary, PRIMARY_METRIC))
                 rows.append(row)
@@ -190,11 +190,11 @@ def table_notes(rows: list[dict], metrics: tuple[str, ...] = ("em", "f1")) -> li
     notes = []
     for r in rows:
         paper = r["paper_rel_to_ppo_pct"]
-        if r["method"] == "ppo" or r["p"] == "" or (r["metric"] not in metrics and math.isnan(paper)):
+        if r["method"] == BASELINE or r["p"] == "" or (r["metric"] not in metrics and math.isnan(paper)):
             continue
         ours = "undefined (PPO mean 0)" if math.isnan(r["rel_to_ppo_pct"]) else f"{r['rel_to_ppo_pct']:+.1f}%"
         theirs = "no paper figure" if math.isnan(paper) else f"paper {paper:+.1f}%"
-        notes.append(f"Finding ({r['method']} vs ppo, {r['horizon']}, {r['metric']}): {ours} (difference "
+        notes.append(f"Finding ({r['method']} vs {BASELINE}, {r['horizon']}, {r['metric']}): {ours} (difference "
                      f"{r['diff_vs_ppo']:+.4f}; {test_words(r)}); {theirs}; "
                      f"{verdict(r['noise'], r['diff_vs_ppo'], paper)}.")
     return notes
