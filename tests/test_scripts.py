@@ -150,7 +150,7 @@ def test_name_copy_probe_scores_the_token_after_each_prefix(tmp_path):
     import torch
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
-    ncp = _load("name_copy_probe")
+    from memopd.study import probes as ncp
     assert ncp.name_spans("Which river does Shaifei Doukraileil live by?") == [(17, 24), (25, 36)]
     assert ncp.name_spans("Who employs Netru Dashifai?") == [(12, 17), (18, 26)]  # the "?" is not the name's
     # a word keeps its leading space, as in the byte-level BPE of the study (" Netru" starts at the space)
@@ -184,7 +184,7 @@ def test_name_copy_probe_scores_the_token_after_each_prefix(tmp_path):
 def test_induction_probe_counts_the_repeat_only():
     import torch
 
-    ip = _load("induction_probe")
+    from memopd.study import probes as ip
     seqs = ip.sequences(list(range(10, 50)), 20, (3, 9), seed=1)
     assert seqs == ip.sequences(list(range(10, 50)), 20, (3, 9), seed=1)  # seeded
     assert all(3 <= len(s) <= 9 and set(s) <= set(range(10, 50)) for s in seqs)
@@ -263,7 +263,7 @@ def _evaluation(path: Path, f1: list[float], answered: float) -> None:
 
 
 def test_design_check_applies_each_threshold_at_its_edge(tmp_path):
-    dc = _load("design_check")
+    from memopd.study import design as dc
     res = tmp_path / "results"
     student_q2 = [0.4, 0.2, 0.6, 0.0] * 10
     _evaluation(res / "eval/student_sft/q2_test", student_q2, 1.0)
@@ -297,6 +297,25 @@ def test_design_check_applies_each_threshold_at_its_edge(tmp_path):
                    "teacher on the persistent flattening - student on q2_test": True}
     _evaluation(tmp_path / "flat/q2_test", [v - 0.021 for v in teacher], 1.0)
     assert not dc.both_states(res, tmp_path / "flat", "q2_test")[0].passed
+
+
+def test_design_check_script_prints_what_memopd_study_design_prints(tmp_path):
+    """The script the archived commands name is the CLI command: the same lines, FAIL ones included."""
+    import subprocess
+
+    res = tmp_path / "results"
+    for model, f1 in (("student_sft", [0.4, 0.0] * 10), ("teacher_sft", [0.5, 0.3] * 10)):
+        for bench in ("q2_test", "q8_test"):
+            _evaluation(res / "eval" / model / bench, f1, 0.6)
+    args = ["--results", str(res), "--persistent", str(res / "eval/teacher_sft")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    run = [subprocess.run([sys.executable, *cmd, *args], capture_output=True, text=True, env=env, check=True).stdout
+           for cmd in ([str(ROOT / "workflow/scripts/design_check.py")], ["-m", "memopd.cli", "study", "design"])]
+    lines = run[0].splitlines()
+    assert run[0] == run[1] and len(lines) == 9
+    assert lines[0] == "PASS  student answers q8_test: 0.600 of 20 episodes (needed >= 0.5)"
+    assert lines[6] == ("PASS  teacher F1 persistent - own on q2_test: 0.400 - 0.400 = +0.000 [+0.000, +0.000] over "
+                        "20 tasks (needed within +-0.02)")
 
 
 def test_tuning_picks_the_largest_admissible_lr_then_the_smaller_regulariser():

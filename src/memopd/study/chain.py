@@ -28,6 +28,9 @@ class Condition:
     figures: str
     passed: bool
 
+    def line(self) -> str:
+        return f"{'PASS' if self.passed else 'FAIL'}  {self.name}: {self.figures}"
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -60,7 +63,8 @@ def chain_models(sft: dict) -> list[str]:
     return student + [f"teacher_sft_s{s}" for s in sft["teacher"].get("snapshots", [])]
 
 
-def _scores(path: Path, metric: str) -> tuple[dict, dict[str, float]]:
+def scores(path: Path, metric: str) -> tuple[dict, dict[str, float]]:
+    """(summary JSON, {task_id: metric}) of one evaluation (path without suffix: its .json and .csv)."""
     from memopd.report.results import task_scores
 
     return json.loads(path.with_suffix(".json").read_text()), task_scores(path.with_suffix(".csv"), metric)
@@ -85,11 +89,11 @@ def _margin(name: str, model: dict[str, float], teacher: dict[str, float]) -> Co
 
 def candidate(eval_dir: Path, model: str, teacher: str, b: Benchmarks) -> Candidate:
     """One snapshot's conditions from its evaluations and the teacher's (eval_dir/{model}/{benchmark}.json|csv)."""
-    _, reward = _scores(eval_dir / model / b.reward, "em")
-    _, short = _scores(eval_dir / model / b.short, "f1")
-    long_summary, long = _scores(eval_dir / model / b.long, "f1")
-    _, t_short = _scores(eval_dir / teacher / b.short, "f1")
-    _, t_long = _scores(eval_dir / teacher / b.long, "f1")
+    _, reward = scores(eval_dir / model / b.reward, "em")
+    _, short = scores(eval_dir / model / b.short, "f1")
+    long_summary, long = scores(eval_dir / model / b.long, "f1")
+    _, t_short = scores(eval_dir / teacher / b.short, "f1")
+    _, t_long = scores(eval_dir / teacher / b.long, "f1")
     answered = long_summary["answered_rate"]
     return Candidate(model, {
         "a": _above_zero(f"sampled EM on {b.reward}", reward, REWARD_MIN),

@@ -1,6 +1,7 @@
 """`memopd study ...`: the controlled study's decision rules, checked from a run's evaluations."""
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 
@@ -58,8 +59,54 @@ def claims_table(cfg: dict, eval_dir: str | Path, out: str | Path) -> list[dict]
     return rows
 
 
+def cmd_study_design(args, cfg):
+    """The design rules on a dev run's evaluations (memopd.study.design): printed, exit 0 whatever they say."""
+    from memopd.study.design import checks
+
+    existing(args.results, *(p for p in (args.long_results, args.persistent) if p))
+    opt = (lambda p: Path(p) if p else None)
+    for c in checks(Path(args.results), args.short, args.long, opt(args.long_results), opt(args.persistent)):
+        print(c.line())
+
+
+def cmd_study_probe_names(args, cfg):
+    """How often a model copies question 1's names into its first search (memopd.study.probes.names_probe)."""
+    from memopd.study.probes import names_probe
+
+    existing(args.model_dir, args.episodes)
+    print(json.dumps(names_probe(args.model_dir, args.episodes)))
+
+
+def cmd_study_probe_induction(args, cfg):
+    """How often a model copies a random token sequence's repeat (memopd.study.probes.induction_probe)."""
+    from memopd.study.probes import induction_probe
+
+    existing(args.model_dir)
+    print(json.dumps(induction_probe(args.model_dir, args.sequences, tuple(args.length), args.seed)))
+
+
+def register_probes(cli) -> None:
+    sp = cli.add("study design", cmd_study_design, "the design rules (go/no-go, both states, horizons above 0) on a "
+                 "dev run's evaluations")
+    sp.add_argument("--results", required=True, help="the dev run's results/ directory")
+    sp.add_argument("--short", default="q2_test", help="the training horizon's benchmark")
+    sp.add_argument("--long", default="q8_test", help="the long horizon's benchmark")
+    sp.add_argument("--long-results", help="the long horizon's results/ directory, when another run's (Design B)")
+    sp.add_argument("--persistent", help="the teacher's evaluation directory with agent.view persistent")
+    sp = cli.add("study probe-names", cmd_study_probe_names, "teacher-forced: a model's greedy tokens of question "
+                 "1's names and template in its first search")
+    sp.add_argument("model_dir")
+    sp.add_argument("episodes", help="an evaluation's episodes (.episodes.parquet)")
+    sp = cli.add("study probe-induction", cmd_study_probe_induction, "a model's greedy tokens over the repeat of "
+                 "random token sequences (seeded by --seed)")
+    sp.add_argument("model_dir")
+    sp.add_argument("--sequences", type=int, default=64)
+    sp.add_argument("--length", type=int, nargs=2, default=(16, 96))
+
+
 def register(cli) -> None:
     register_tuning(cli)
+    register_probes(cli)
     sp = cli.add("study claims", cmd_study_claims, "the paper's claims over seeds, the declared primaries Holm-"
                  "adjusted together (--cfg: {train, claims})")
     sp.add_argument("--eval-dir", required=True, help="results/eval: {method}_seed{seed}/{benchmark}.json")
