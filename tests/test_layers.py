@@ -5,24 +5,26 @@ know nothing of each other.
 A unit is a top-level module (memopd/stats.py: `stats`) or a subpackage (memopd/train/: `train`). The floors,
 lowest first:
 
-  0 foundations    records, cost, losses, metrics, models, methods, inputs, codegraph, stats, dist, checkpoint,
+  0 atomic files   atomic (a file or directory written beside its target and renamed onto it, whole or not at
+                   all; the standard library only: every floor writes through it)
+  1 foundations    records, cost, losses, metrics, models, methods, inputs, codegraph, stats, dist, checkpoint,
                    progress, outputs (JSON, tables and figures as every step writes them), spool (a run's tracking
                    records on disk and their sender) and the package's own __init__ (no memopd import at all)
-  1 layout, config packing, vocab, prefetch, config (the typed config sections: on inputs' errors), schema (the
+  2 layout, config packing, vocab, prefetch, config (the typed config sections: on inputs' errors), schema (the
                    workflow's config schema outside Snakemake), tracking (MLflow runs, through the spool), ledger
                    (the exact call ledger: a rollout's calls in a portable file)
-  2 exact forward  attention
-  3 on the forward rce, parallel
-  4 run harness    harness (identity, resume, checkpoints, the step loop and export of every trainer)
-  5 data           data
-  6 corpora        retrieval, synthetic
-  7 agent          agent (protocol, memory rules, the rollout loop)
-  8 generation     generation (the engines the agent samples with, the training engine's weight sync)
-  9 teachers, evaluation  teachers (scripted, LLM, the trajectory step), evaluation
- 10 trainers       sft, train
- 11 audits, plans  audit, plan
- 12 reports        report (the tables and figures over runs, audits and plans)
- 13 study rules    study (the controlled study's decision rules, over evaluations and their reports)
+  3 exact forward  attention
+  4 on the forward rce, parallel
+  5 run harness    harness (identity, resume, checkpoints, the step loop and export of every trainer)
+  6 data           data
+  7 corpora        retrieval, synthetic
+  8 agent          agent (protocol, memory rules, the rollout loop)
+  9 generation     generation (the engines the agent samples with, the training engine's weight sync)
+ 10 teachers, evaluation  teachers (scripted, LLM, the trajectory step), evaluation
+ 11 trainers       sft, train
+ 12 audits, plans  audit, plan
+ 13 reports        report (the tables and figures over runs, audits and plans)
+ 14 study rules    study (the controlled study's decision rules, over evaluations and their reports)
   top              cli, __main__ and every module named `commands` (memopd.commands, sft.commands, ...): they
                    may import anything, and nothing below the top may import them
 
@@ -41,6 +43,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "memopd"
 
 FLOORS = [
+    ("atomic files", {"atomic"}),
     ("foundations", {"memopd", "records", "cost", "losses", "metrics", "models", "methods", "inputs", "codegraph",
                      "stats", "dist", "checkpoint", "progress", "outputs", "spool"}),
     ("layout, config", {"packing", "vocab", "prefetch", "config", "schema", "tracking", "ledger"}),
@@ -223,8 +226,8 @@ def test_the_checks_catch_planted_imports(tmp_path):
     pkg = tmp_path / "src" / PACKAGE
     for rel, text in {
         "__init__.py": "",
-        "records.py": "def f():\n    from memopd.sft import trainer\n",  # floor 0 -> 7, inside a function
-        "stats.py": "import memopd.dist\n",  # sideways on floor 0
+        "records.py": "def f():\n    from memopd.sft import trainer\n",  # floor 1 -> 11, inside a function
+        "stats.py": "import memopd.dist\n",  # sideways on floor 1
         "dist.py": "from memopd import stats\n",  # and back: a cycle
         "sft/__init__.py": "",
         "sft/trainer.py": "from memopd.train.loop import run\n",  # sft -> train: sideways

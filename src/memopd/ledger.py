@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memopd.atomic import atomic_path
 from memopd.records import Episode, Invocation, Retained
 
 FORMAT, VERSION = "memopd.ledger", 1
@@ -83,12 +84,10 @@ def write_ledger(path: str | Path, episodes: list[Episode], sampling: dict, toke
     path.parent.mkdir(parents=True, exist_ok=True)
     head = {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer, "sampling": sampling,
             "weight_version": weight_version}
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
         f.write(json.dumps(head, sort_keys=True) + "\n")
         for i, ep in enumerate(episodes):
             f.write(json.dumps(episode_line(ep, f"e{i}"), sort_keys=True) + "\n")
-    tmp.replace(path)
 
 
 def _ints(value, where: str, what: str) -> list[int]:

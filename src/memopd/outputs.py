@@ -10,14 +10,14 @@ import os
 import textwrap
 from pathlib import Path
 
+from memopd.atomic import atomic_path, write_text
+
 
 def write_json(path: str | Path, obj) -> None:
     """An object as indented JSON, atomically (written beside, then renamed), creating the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
+    write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _fmt(v) -> str:
@@ -49,15 +49,10 @@ def write_csv(path: str | Path, rows: list[dict], columns=None) -> None:
     is an empty cell."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(columns or dict.fromkeys(k for r in rows for k in r)))
-            w.writeheader()
-            w.writerows(rows)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns or dict.fromkeys(k for r in rows for k in r)))
+        w.writeheader()
+        w.writerows(rows)
 
 
 def write_table(rows: list[dict], csv_path: str | Path, caption: str, md_path: str | Path | None = None,
@@ -69,9 +64,7 @@ def write_table(rows: list[dict], csv_path: str | Path, caption: str, md_path: s
     csv_path = Path(csv_path)
     md_path = Path(md_path) if md_path else csv_path.with_suffix(".md")
     write_csv(csv_path, rows)
-    tmp = md_path.with_name(md_path.name + ".tmp")
-    tmp.write_text(markdown(rows, caption, notes))
-    tmp.replace(md_path)
+    write_text(md_path, markdown(rows, caption, notes))
 
 
 def print_table(rows: list[dict], csv_path: str | Path) -> None:

@@ -128,6 +128,8 @@ def fetch_encodings(home: str | Path, base_url: str | None = None, expected: dic
     download with another hash is refused (and removed). Returns one manifest entry per file."""
     import urllib.request
 
+    from memopd.atomic import atomic_path
+
     base_url, expected = base_url or ENCODINGS_URL, expected or ENCODINGS
     out_dir = encodings_dir(home)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -135,13 +137,11 @@ def fetch_encodings(home: str | Path, base_url: str | None = None, expected: dic
     for name, sha in expected.items():
         path = out_dir / name
         if not (path.is_file() and _sha256(path) == sha):
-            tmp = path.with_name(name + ".tmp")
-            with urllib.request.urlopen(base_url + name, timeout=120) as r, open(tmp, "wb") as f:
-                f.write(r.read())
-            if (got := _sha256(tmp)) != sha:
-                tmp.unlink()
-                raise RuntimeError(f"{base_url}{name}: sha256 {got}, expected {sha}")
-            tmp.replace(path)
+            with atomic_path(path) as tmp:
+                with urllib.request.urlopen(base_url + name, timeout=120) as r, open(tmp, "wb") as f:
+                    f.write(r.read())
+                if (got := _sha256(tmp)) != sha:
+                    raise RuntimeError(f"{base_url}{name}: sha256 {got}, expected {sha}")
         entries.append({"file": name, "sha256": sha, "path": str(path), "bytes": path.stat().st_size})
         print(f"encoding {name}: sha256 checked -> {path}")
     return entries
@@ -152,6 +152,8 @@ def prefetch(home: str | Path, repos: list[dict], out: str | Path) -> dict:
     write the manifest `out` (JSON): per repository its revision, local snapshot path, files and sizes.
     Files already in the cache are not downloaded again."""
     from huggingface_hub import snapshot_download
+
+    from memopd.atomic import write_text
 
     entries = []
     for r in repos:
@@ -170,9 +172,7 @@ def prefetch(home: str | Path, repos: list[dict], out: str | Path) -> dict:
         print(f"{r['type']} {r['repo']}@{r['revision']}: {len(sizes)} files, {sum(sizes.values()) / 1e9:.2f} GB -> {want}")
     manifest = {"home": str(home), "repos": entries, "encodings": fetch_encodings(home)}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(out).with_name(Path(out).name + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    tmp.replace(out)
+    write_text(out, json.dumps(manifest, indent=2, sort_keys=True))
     return manifest
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from memopd.atomic import atomic_path
+
 
 class RecordError(ValueError):
     """An episode whose calls are inconsistent (prefix mismatch, bad provenance span, ...)."""
@@ -148,9 +150,8 @@ def save_episodes(path: str | Path, episodes: list[Episode]) -> None:
             rows["metrics"].append(json.dumps(ep.metrics, sort_keys=True))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(pa.table(rows, schema=_SCHEMA), tmp)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        pq.write_table(pa.table(rows, schema=_SCHEMA), tmp)
 
 
 def load_episodes(path: str | Path) -> list[Episode]:

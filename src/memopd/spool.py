@@ -14,12 +14,13 @@ A run whose ops were all sent leaves nothing behind.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 import time
 import uuid
 from pathlib import Path
+
+from memopd.atomic import write_text
 
 SUFFIX, STATE, FILES = ".jsonl", ".state.json", ".files"
 RUN_FILE = "mlflow_run.json"  # a run's reference, written into a model / run directory by the job that tracked it
@@ -56,9 +57,7 @@ class Spool:
         return json.loads(self.state_path.read_text()) if self.state_path.exists() else {"sent": 0, "run_id": None}
 
     def save_state(self, state: dict) -> None:
-        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        tmp.write_text(json.dumps(state, sort_keys=True))
-        os.replace(tmp, self.state_path)
+        write_text(self.state_path, json.dumps(state, sort_keys=True))
 
     def keep_file(self, path: str | Path) -> Path:
         """A copy of an artifact to send, kept with the spool until it is sent."""
@@ -79,9 +78,7 @@ class Spool:
 
 def write_ref_file(directory: str | Path, ref: dict) -> None:
     Path(directory).mkdir(parents=True, exist_ok=True)
-    tmp = Path(directory) / (RUN_FILE + ".tmp")
-    tmp.write_text(json.dumps(ref, indent=2) + "\n")
-    tmp.replace(Path(directory) / RUN_FILE)
+    write_text(Path(directory) / RUN_FILE, json.dumps(ref, indent=2) + "\n")
 
 
 def _run_ref(create: dict, run_id: str) -> dict:

@@ -24,9 +24,11 @@ import hashlib
 import json
 import random
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from memopd.atomic import atomic_path
 from memopd.data.loaders import QA, QA_PARSERS, DataConfigError, load_qa, resolve
 
 SPLITS = ("train", "dev", "test")
@@ -294,8 +296,8 @@ def write(rows_by_set: dict[str, list[dict]], stats: list[dict], out_dir: str | 
     stats_path.parent.mkdir(parents=True, exist_ok=True)
     meta = {b"memopd": json.dumps(record, sort_keys=True).encode()}
     final = [out_dir / f"{name}.parquet" for name in rows_by_set] + [stats_path]
-    tmps = [p.with_name(p.name + ".tmp") for p in final]
-    try:
+    with ExitStack() as stack:  # entered last to first: the files are renamed in order, once all are written
+        tmps = [stack.enter_context(atomic_path(p)) for p in reversed(final)][::-1]
         for (name, rows), tmp in zip(rows_by_set.items(), tmps):
             table = pa.Table.from_pylist(rows, schema=_schema()).replace_schema_metadata(meta)
             pq.write_table(table, tmp)
@@ -303,11 +305,6 @@ def write(rows_by_set: dict[str, list[dict]], stats: list[dict], out_dir: str | 
             w = csv.DictWriter(f, fieldnames=["benchmark", "split", "source", "tasks", "questions"])
             w.writeheader()
             w.writerows(stats)
-        for tmp, path in zip(tmps, final):
-            tmp.replace(path)
-    finally:
-        for tmp in tmps:
-            tmp.unlink(missing_ok=True)
     return final
 
 

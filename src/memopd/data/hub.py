@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
+from memopd.atomic import atomic_path
 from memopd.data.loaders import QA, QA_PARSERS, DataConfigError
 
 
@@ -42,8 +43,6 @@ def fetch_file(repo: str, filename: str, out: str, repo_type: str = "dataset", r
     src = hf_hub_download(repo_id=repo, filename=filename, repo_type=repo_type, revision=revision)
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
     opener = gzip.open if filename.endswith(".gz") and not out.endswith(".gz") else open
-    with opener(src, "rb") as fin, open(tmp, "wb") as fout:
+    with atomic_path(out_path) as tmp, opener(src, "rb") as fin, open(tmp, "wb") as fout:
         shutil.copyfileobj(fin, fout, length=1 << 24)
-    tmp.replace(out_path)

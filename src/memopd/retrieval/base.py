@@ -44,20 +44,15 @@ def write_index_dir(out_dir, write_backend, ids, titles, texts, meta: dict) -> N
     own files (`write_backend(tmp_dir)`), passages.parquet and meta.json. Shared by every backend."""
     import json
     import shutil
-    from pathlib import Path
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    from memopd.atomic import atomic_path
+
+    with atomic_path(out_dir) as tmp:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a killed build left
+        tmp.mkdir(parents=True)
         write_backend(tmp)
         pq.write_table(pa.table({"id": ids, "title": titles, "text": texts}), tmp / "passages.parquet")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -16,6 +16,7 @@ from typing import Iterator
 
 from tqdm import tqdm
 
+from memopd.atomic import atomic_path
 from memopd.data.loaders import DataConfigError, Passage, content_hash, iter_passages, resolve
 
 COLUMNS = ("id", "title", "text", "source")
@@ -50,24 +51,19 @@ def build_corpus(entries: list[dict], data_dir: str | Path, out: str | Path, rec
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
     schema = pa.schema([(c, pa.string()) for c in COLUMNS],
                        metadata={b"memopd": json.dumps(record or {}, sort_keys=True).encode()})
     counts: dict[str, int] = {}
-    try:
-        with pq.ParquetWriter(tmp, schema) as w:
-            buf = []
-            for p in tqdm(iter_corpus(entries, data_dir), desc="corpus", unit="psg", mininterval=2):
-                buf.append({"id": p.key, "title": p.title, "text": p.text, "source": p.source})
-                counts[p.source] = counts.get(p.source, 0) + 1
-                if len(buf) >= chunk:
-                    w.write_table(pa.Table.from_pylist(buf, schema=schema))
-                    buf = []
-            if buf:
+    with atomic_path(out) as tmp, pq.ParquetWriter(tmp, schema) as w:
+        buf = []
+        for p in tqdm(iter_corpus(entries, data_dir), desc="corpus", unit="psg", mininterval=2):
+            buf.append({"id": p.key, "title": p.title, "text": p.text, "source": p.source})
+            counts[p.source] = counts.get(p.source, 0) + 1
+            if len(buf) >= chunk:
                 w.write_table(pa.Table.from_pylist(buf, schema=schema))
-        tmp.replace(out)
-    finally:
-        tmp.unlink(missing_ok=True)
+                buf = []
+        if buf:
+            w.write_table(pa.Table.from_pylist(buf, schema=schema))
     return {"passages": sum(counts.values()), "by_source": counts}
 
 

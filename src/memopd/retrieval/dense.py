@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from memopd.atomic import atomic_path, write_text
 from memopd.retrieval.base import Hit, Retriever
 
 DEFAULTS = {"model": "intfloat/e5-base-v2", "max_length": 256, "batch_size": 256, "device": "auto",
@@ -150,9 +151,7 @@ class FlatSearch:
 
 def _write_json(path: Path, obj: dict) -> None:
     """Atomically: a reader (or a resumed build) never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def corpus_shards(corpus: dict[str, list[str]] | str | Path, size: int) -> tuple[int, Iterator]:
@@ -183,6 +182,20 @@ def corpus_shards(corpus: dict[str, list[str]] | str | Path, size: int) -> tuple
     return f.metadata.num_rows, rebatch()
 
 
+@contextmanager
+def _passages_sink(passages_file: str | Path | None) -> Iterator[Callable]:
+    """A function taking the shards' Tables in order: written to `passages_file` as Arrow IPC, in place once the
+    block ends (without a file: kept nowhere)."""
+    if not passages_file:
+        yield lambda t: None
+        return
+    import pyarrow as pa
+
+    schema = pa.schema([(c, pa.string()) for c in ("id", "title", "text")])
+    with atomic_path(passages_file) as tmp, pa.ipc.new_file(str(tmp), schema) as writer:
+        yield writer.write_table
+
+
 def build_embeddings(shards: Iterator, n: int, encode: Callable[[list[str]], np.ndarray], work: str | Path,
                      key: dict, prefix: str = "", passages_file: str | Path | None = None,
                      progress: bool = False) -> dict:
@@ -194,8 +207,6 @@ def build_embeddings(shards: Iterator, n: int, encode: Callable[[list[str]], np.
     texts changed). Every shard is still read (passages_file, if given, is rewritten from them as Arrow IPC).
     Peak memory: one shard (its texts + encode's output + the file pages it writes), not n.
     Returns the manifest."""
-    import pyarrow as pa
-
     work = Path(work)
     path, mpath = work / "embeddings.npy", work / "manifest.json"
     man = json.loads(mpath.read_text()) if mpath.is_file() else {}
@@ -205,38 +216,31 @@ def build_embeddings(shards: Iterator, n: int, encode: Callable[[list[str]], np.
         shutil.rmtree(work, ignore_errors=True)
         man = {"key": key, "passages": n, "dim": None, "shards": {}}
     work.mkdir(parents=True, exist_ok=True)
-    writer = None
-    if passages_file:
-        schema = pa.schema([(c, pa.string()) for c in ("id", "title", "text")])
-        writer = pa.ipc.new_file(str(passages_file) + ".tmp", schema)
     start, todo, seconds = 0, 0, 0.0
-    for i, t in enumerate(tqdm(shards, desc="shards", unit="shard", disable=not progress)):
-        docs = [f"{prefix}{a}\n{b}" for a, b in zip(t.column("title").to_pylist(), t.column("text").to_pylist())]
-        digest = hashlib.sha1("\0".join(docs).encode()).hexdigest()
-        if writer is not None:
-            writer.write_table(t)
-        done = man["shards"].get(str(i))
-        if not (done and done["sha1"] == digest and done["rows"] == [start, start + len(docs)]):
-            t0 = time.perf_counter()
-            x = encode(docs)
-            if man["dim"] is None:  # the file is created once the dimension is known (sparse until written)
-                man["dim"] = int(x.shape[1])
-                np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, man["dim"]))
+    with _passages_sink(passages_file) as keep:
+        for i, t in enumerate(tqdm(shards, desc="shards", unit="shard", disable=not progress)):
+            docs = [f"{prefix}{a}\n{b}" for a, b in zip(t.column("title").to_pylist(), t.column("text").to_pylist())]
+            digest = hashlib.sha1("\0".join(docs).encode()).hexdigest()
+            keep(t)
+            done = man["shards"].get(str(i))
+            if not (done and done["sha1"] == digest and done["rows"] == [start, start + len(docs)]):
+                t0 = time.perf_counter()
+                x = encode(docs)
+                if man["dim"] is None:  # the file is created once the dimension is known (sparse until written)
+                    man["dim"] = int(x.shape[1])
+                    np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, man["dim"]))
+                    _write_json(mpath, man)
+                # a fresh mapping per shard, unmapped after: the written pages leave the process's RSS (they
+                # stay in the page cache, which the kernel may drop once flushed), so RSS does not grow with n
+                mm = np.load(path, mmap_mode="r+")
+                mm[start:start + len(docs)] = x
+                mm.flush()  # on disk before the manifest says so
+                del mm, x
+                man["shards"][str(i)] = {"rows": [start, start + len(docs)], "sha1": digest,
+                                         "seconds": round(time.perf_counter() - t0, 3)}
                 _write_json(mpath, man)
-            # a fresh mapping per shard, unmapped after: the written pages leave the process's RSS (they
-            # stay in the page cache, which the kernel may drop once flushed), so RSS does not grow with n
-            mm = np.load(path, mmap_mode="r+")
-            mm[start:start + len(docs)] = x
-            mm.flush()  # on disk before the manifest says so
-            del mm, x
-            man["shards"][str(i)] = {"rows": [start, start + len(docs)], "sha1": digest,
-                                     "seconds": round(time.perf_counter() - t0, 3)}
-            _write_json(mpath, man)
-            todo, seconds = todo + 1, seconds + man["shards"][str(i)]["seconds"]
-        start += len(docs)
-    if writer is not None:
-        writer.close()
-        os.replace(str(passages_file) + ".tmp", passages_file)
+                todo, seconds = todo + 1, seconds + man["shards"][str(i)]["seconds"]
+            start += len(docs)
     if start != n:
         raise ValueError(f"corpus gave {start} passages, expected {n}")
     man["encoded_this_run"], man["encode_seconds_this_run"] = todo, seconds

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from memopd.atomic import atomic_path, write_text
 from memopd.records import Episode, load_episodes, save_episodes
 
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -91,9 +92,7 @@ class Chunks:
     def write(self, j: int, episodes: list[Episode], info: dict) -> None:
         data, path = self._paths(j)
         save_episodes(data, episodes)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(info, indent=2) + "\n")
-        tmp.replace(path)
+        write_text(path, json.dumps(info, indent=2) + "\n")
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -102,20 +101,24 @@ class Chunks:
 def concat_episode_files(paths: list[str | Path], out: str | Path) -> None:
     """Episode files in order -> one file (episode numbers offset; one file at a time in memory; a single
     file is copied byte for byte), written atomically."""
-    from memopd.records import _SCHEMA
-
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    if len(paths) == 1:
-        shutil.copyfile(paths[0], tmp)
-        tmp.replace(out)
-        return
     if not paths:
         save_episodes(out, [])
         return
+    with atomic_path(out) as tmp:
+        if len(paths) == 1:
+            shutil.copyfile(paths[0], tmp)
+        else:
+            _concat_parquet(paths, tmp)
+
+
+def _concat_parquet(paths: list[str | Path], out: Path) -> None:
+    """Episode files in order -> the parquet file `out`, episode numbers offset, one file at a time in memory."""
+    from memopd.records import _SCHEMA
+
     offset = 0
-    with pq.ParquetWriter(tmp, _SCHEMA) as writer:
+    with pq.ParquetWriter(out, _SCHEMA) as writer:
         for p in paths:
             table = pq.read_table(p).select(_SCHEMA.names).cast(_SCHEMA)
             if table.num_rows:
@@ -123,7 +126,6 @@ def concat_episode_files(paths: list[str | Path], out: str | Path) -> None:
                 table = table.set_column(0, "episode", pc.add(ep, pa.scalar(offset, pa.int64())))
                 offset += pc.max(ep).as_py() + 1
                 writer.write_table(table)
-    tmp.replace(out)
 
 
 def episode_rows(path: str | Path) -> list[tuple[dict, list[int]]]:
