@@ -1,4 +1,4 @@
-"""Mutation check of the training update: apply single-line mutations of `train/ppo.py` and `losses.py`
+"""Mutation check of the training update: apply single-line mutations of `train/update.py` and `losses.py`
 one at a time to a temporary copy of the package and run the reference test (`test_ppo_reference.py`)
 against it. Every mutant must make the test fail; the ones that survive are printed.
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PPO, LOSSES = "train/ppo.py", "losses.py"
+PPO, LOSSES = "train/update.py", "losses.py"
 
 # (name, file under src/memopd, original text, mutated text): each original occurs exactly once
 MUTANTS = [

@@ -1,4 +1,4 @@
-"""A deliberately naive reference of one PPO / MemOPD update, to pin the trainer (`memopd.train.ppo`).
+"""A deliberately naive reference of one PPO / MemOPD update, to pin the trainer (`memopd.train.update`).
 
 It shares no code with the trainer: no packing, no memopd attention or loss functions. Every call is
 run alone with plain transformers, exactly as it ran during the rollout ([z_t, a_t], positions 0..,

@@ -21,7 +21,7 @@ from test_train import _episodes, _free_port, _setup
 from memopd import parallel
 from memopd.sft.loss import target_loss
 from memopd.sft.trainer import TrainConfig, train
-from memopd.train.ppo import PPOConfig, ppo_update
+from memopd.train.update import PPOConfig, ppo_update
 
 
 def tiny_tied(seed=0):

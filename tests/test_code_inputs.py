@@ -179,7 +179,7 @@ def test_a_change_reruns_the_steps_that_run_it_and_no_other(tmp_path):
         after = _hashes(src)
         return {rule for rule in before if after[rule] != before[rule]}
 
-    training = changed_after("train/ppo.py")
+    training = changed_after("train/update.py")
     assert "train" in training and not any(r.startswith("audit") or r.startswith("sft") for r in training), training
     before = _hashes(src)
     audits = changed_after("audit/steps.py")

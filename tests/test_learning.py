@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from memopd.records import Episode, Invocation
-from memopd.train.ppo import PPOConfig, ValueModel, ppo_update
+from memopd.train.update import PPOConfig, ValueModel, ppo_update
 
 VOCAB = 16
 TASK = 1

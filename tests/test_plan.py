@@ -136,7 +136,7 @@ def measure(kind: str, role: str = "student") -> dict:
     from memopd.packing import pack
     from memopd.sft.loss import target_loss
     from memopd.synthetic import random_episode
-    from memopd.train.ppo import PPOConfig, ValueModel, ppo_update
+    from memopd.train.update import PPOConfig, ValueModel, ppo_update
 
     cfg = _tiny_cfg()
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The trainer's update (`memopd.train.ppo.ppo_update`) equals the naive reference (`ppo_reference.py`):
+"""The trainer's update (`memopd.train.update.ppo_update`) equals the naive reference (`ppo_reference.py`):
 loss terms of every minibatch and the clipped gradients of policy and critic at every optimizer step,
 for every method, teacher selection and exact backend, with a reference model that differs from
 pi_old (nonzero KL penalty), several episodes of different lengths per minibatch, two PPO epochs (so
@@ -12,7 +12,7 @@ import torch
 
 import ppo_reference as reference
 from memopd.synthetic import random_episode
-from memopd.train.ppo import PPOConfig, ValueModel, ppo_update
+from memopd.train.update import PPOConfig, ValueModel, ppo_update
 
 RTOL = 1e-5
 

@@ -46,7 +46,7 @@ def test_an_unchanged_tree_reruns_nothing():
 
 
 def test_a_change_of_the_training_update_reruns_training_and_what_depends_on_it():
-    rules = _after_change("train/ppo.py")
+    rules = _after_change("train/update.py")
     assert rules.pop("train") >= 3 and rules.pop("eval") >= 1, rules
     # the controlled study (rule study) trains too: its nested workflow reruns its own training
     assert set(rules) <= {"results_tables", "matched_control", "training_curves", "study", "all"}, rules

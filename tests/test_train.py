@@ -9,7 +9,7 @@ import torch
 from memopd.rce import RCEError
 from memopd.synthetic import random_episode
 from memopd import parallel
-from memopd.train.ppo import PPOConfig, ValueModel, ppo_update, score_batch
+from memopd.train.update import PPOConfig, ValueModel, ppo_update, score_batch
 from memopd.generation.weight_sync import policy_weights
 
 

@@ -14,7 +14,7 @@ from agent_support import ROOT, protocol_student, random_student, tokenizer
 from test_train import _episodes, _setup
 from test_train_loop import setup  # noqa: F401  (fixture: student, teacher, tasks and index on disk)
 
-from memopd.train.ppo import PPOConfig, ppo_update
+from memopd.train.update import PPOConfig, ppo_update
 
 pytestmark = pytest.mark.gpu
 

@@ -390,7 +390,7 @@ def test_the_train_section_is_typed_once_with_the_schemas_defaults():
     from dataclasses import fields
 
     from memopd.train.config import RunConfig
-    from memopd.train.ppo import PPOConfig
+    from memopd.train.update import PPOConfig
 
     least = {"steps": 1, "batch_tasks": 1, "lr_actor": 1e-5, "lr_critic": 1e-4, "ppo": {}}
     run = RunConfig.from_section(least, "memopd", 3)
@@ -438,7 +438,7 @@ def test_tied_weights_checkpoint_and_export_round_trip(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from memopd.harness import Harness, Part, export
-    from memopd.train.ppo import ValueModel
+    from memopd.train.update import ValueModel
 
     def tied(seed):
         torch.manual_seed(seed)
@@ -504,7 +504,7 @@ def test_a_smaller_critic_keeps_the_students_first_layers(setup, tmp_path, monke
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import memopd.train.loop as loop
-    from memopd.train.ppo import ValueModel
+    from memopd.train.update import ValueModel
 
     conf = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
                 tie_word_embeddings=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 from memopd.methods import ORDER as METHOD_ORDER
 from memopd.outputs import pyplot, save_figure
 
-# (metrics.jsonl key, panel title); the keys train/loop.py and train/ppo.py write every step
+# (metrics.jsonl key, panel title); the keys train/loop.py and train/update.py write every step
 PANELS = (
     ("reward/task", "task reward ({reward} - invalid penalty)"),  # {reward}: agent.reward, the score trained on
     ("rollout/invalid_rate", "invalid-action rate (rollouts)"),
