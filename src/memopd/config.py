@@ -84,6 +84,39 @@ class AgentConfig:
         return int(turns.get(b, turns.get(re.sub(r"_(train|test|dev|val)$", "", b), turns["default"])))
 
 
+def _known(d: dict | None, cls, key: str) -> dict:
+    """`d` (None: empty) once every key is a field of `cls`; else a ConfigError naming `key`'s unknown ones."""
+    d = dict(d or {})
+    if unknown := set(d) - {f.name for f in fields(cls)}:
+        raise ConfigError(f"unknown {key} keys {sorted(unknown)}; known: {sorted(f.name for f in fields(cls))}")
+    return d
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """`rollout.vllm`: a vLLM generation engine (rollout.backend vllm) of rollouts and evaluations."""
+
+    gpu_memory_utilization: float = 0.85  # the engine's share of its GPU: alone on it but for a scoring model
+    max_model_len: int | None = None  # the longest sequence; None: the model's own limit, as vLLM derives it
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "rollout.vllm") -> "EngineConfig":
+        return cls(**_known(d, cls, key))
+
+
+@dataclass(frozen=True)
+class ColocatedEngineConfig:
+    """`train.vllm`: the rollout engine inside a training run's process, beside its policy, critic, reference and
+    teacher (generation.weight_sync.colocated_llm); its longest sequence is rollout.vllm's."""
+
+    gpu_memory_utilization: float = 0.3  # the engine's share of the GPU the trainer's models also hold
+    sleep: bool = False  # free the engine's GPU memory during the update (vLLM sleep mode, level 2)
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "train.vllm") -> "ColocatedEngineConfig":
+        return cls(**_known(d, cls, key))
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """The `rollout` section: the generation engine, its precision and device, and the sampling of training
@@ -97,7 +130,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    vllm: dict = field(default_factory=dict)  # gpu_memory_utilization, max_model_len
+    vllm: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -109,7 +142,8 @@ class RolloutConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown rollout config keys {sorted(unknown)}")
-        return cls(**{("engine" if k == "backend" else k): v for k, v in d.items()})
+        d = {("engine" if k == "backend" else k): v for k, v in d.items()}
+        return cls(**{**d, "vllm": EngineConfig.from_dict(d.get("vllm"))})
 
     @property
     def vllm_engine(self) -> bool:

@@ -21,6 +21,11 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pretrained_dtype(spec: dict) -> str:
+    """The dtype a pretrained model (config models.<role> with `pretrained`) is loaded and stored in."""
+    return spec.get("dtype", "bfloat16")
 TINY_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 BASE_KEYS = ("package", "version", "module", "file", "sha256")  # what packaged_model reads of models.base
 
@@ -103,7 +108,7 @@ def init_model(spec: dict, out_dir: str | Path, seed: int, tokenizer_path: str |
     if "pretrained" in spec:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(spec["pretrained"], dtype=DTYPES[spec.get("dtype", "bfloat16")],
+        model = AutoModelForCausalLM.from_pretrained(spec["pretrained"], dtype=DTYPES[pretrained_dtype(spec)],
                                                      local_files_only=offline, use_safetensors=True)
         tokenizer = load_tokenizer(spec.get("tokenizer", spec["pretrained"]), offline=offline)
     else:

@@ -30,7 +30,7 @@ import torch
 
 from memopd.agent.protocol import Generation
 from memopd.attention import _CACHE_KW
-from memopd.config import RolloutConfig
+from memopd.config import EngineConfig, RolloutConfig
 
 
 @dataclass
@@ -318,8 +318,9 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, model_path: str, tokenizer, sampling: Sampling, stop_strings=("</search>", "</answer>"),
-                 dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.85,
-                 max_model_len: int | None = None, llm=None):
+                 dtype: str = "bfloat16", seed: int = 0,
+                 gpu_memory_utilization: float = EngineConfig.gpu_memory_utilization, max_model_len: int | None = None,
+                 llm=None):
         from vllm import LLM  # GPU environment only (envs/gpu.yaml)
 
         self.tokenizer, self.sampling, self.stop_strings = tokenizer, sampling, list(stop_strings)
@@ -370,7 +371,7 @@ def make_backend(ro: RolloutConfig, model_dir: str | Path, seed: int = 0, **samp
     tok = load_tokenizer(model_dir)
     if ro.vllm_engine:
         return VLLMBackend(str(model_dir), tok, sampling, dtype=ro.dtype, seed=seed,
-                           gpu_memory_utilization=ro.vllm.get("gpu_memory_utilization", 0.85),
-                           max_model_len=ro.vllm.get("max_model_len")), tok, None
+                           gpu_memory_utilization=ro.vllm.gpu_memory_utilization,
+                           max_model_len=ro.vllm.max_model_len), tok, None
     model = load_model(model_dir, dtype=ro.dtype, device=ro.device or default_device())
     return HFBackend(model, tok, sampling), tok, model

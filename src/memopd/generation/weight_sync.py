@@ -9,7 +9,7 @@ directly (`load_weights` maps the Hugging Face names, fusing q/k/v and gate/up i
 through another process.
 
     llm = colocated_llm(student_dir, rollout_config(cfg), run.vllm, seed, world)   # run: train.config.RunConfig
-    sync = WeightSync(llm, sleep=sleep_mode(run.vllm))
+    sync = WeightSync(llm, sleep=run.vllm.sleep)
     sync.sync(policy)      # before every rollout: the engine samples with the current policy
     ... VLLMBackend(..., llm=llm) rollouts ...
     sync.release()         # optional: free the engine's GPU memory during the update (sleep mode, level 2)
@@ -28,10 +28,9 @@ from collections.abc import Iterator
 import torch
 
 
-def colocated_llm(model_dir, ro, engine_cfg: dict, seed: int, world: int = 1):
+def colocated_llm(model_dir, ro, engine_cfg, seed: int, world: int = 1):
     """A vLLM engine in this process on this rank's GPU, initialised from `model_dir` (its weights are
-    replaced at the first sync). `engine_cfg` (config `train.vllm`): gpu_memory_utilization (the
-    engine's share of the GPU, next to the trainer's models), sleep (sleep mode between rollouts); `ro`: the
+    replaced at the first sync). `engine_cfg`: config `train.vllm` (memopd.config.ColocatedEngineConfig); `ro`: the
     `rollout` section (memopd.config.RolloutConfig)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine core (and model) here
     from vllm import LLM  # GPU environment only (envs/gpu.yaml)
@@ -40,14 +39,8 @@ def colocated_llm(model_dir, ro, engine_cfg: dict, seed: int, world: int = 1):
     if world > 1:  # one engine per torchrun rank, on LOCAL_RANK's GPU, sharing the trainer's process group
         kw["distributed_executor_backend"] = "external_launcher"
     return LLM(model=str(model_dir), dtype=ro.dtype, seed=seed,
-               gpu_memory_utilization=engine_cfg.get("gpu_memory_utilization", 0.3),
-               max_model_len=ro.vllm.get("max_model_len"), enable_prefix_caching=True,
-               enable_sleep_mode=sleep_mode(engine_cfg), **kw)
-
-
-def sleep_mode(engine_cfg: dict) -> bool:
-    """Whether the engine sleeps between rollouts (`train.vllm.sleep`, default off)."""
-    return bool(engine_cfg.get("sleep", False))
+               gpu_memory_utilization=engine_cfg.gpu_memory_utilization, max_model_len=ro.vllm.max_model_len,
+               enable_prefix_caching=True, enable_sleep_mode=engine_cfg.sleep, **kw)
 
 
 def engine_model(llm) -> torch.nn.Module:

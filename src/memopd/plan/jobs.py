@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memopd.config import rollout_config
+from memopd.inputs import ConfigError
 from memopd.plan.memory import act_per_token, call_input, kv_per_token
 from memopd.plan.models import BYTES, GB, Spec, _plan, resolve
 
@@ -117,7 +118,13 @@ def _retriever(job: Job, cfg: dict, copies: int = 1, building: bool = False) -> 
                                  f"{copies} x {queries} queries x search_block {block:,} x 17 B")
 
 
-def _vllm(job: Job, cfg: dict, phase: str, spec: Spec, util: float, max_len: int, tp: int = 1) -> float:
+def _vllm(job: Job, cfg: dict, phase: str, spec: Spec, util: float, max_len: int | None, tp: int = 1) -> float:
+    """An engine's share of the GPU, checked against its weights and the KV cache of one sequence of max_len tokens
+    (None: the model's max_position_embeddings, the length vLLM takes by default)."""
+    max_len = max_len or spec.max_positions
+    if max_len is None:
+        raise ConfigError(f"rollout.vllm.max_model_len: null, and model {spec.name} states no max_position_embeddings:"
+                          " set it")
     g = job.gpu_limit
     job.add(phase, "vLLM engine", util * g, f"gpu_memory_utilization {util} x {g / GB:.0f} GB")
     need = spec.weights("bfloat16") / tp + max_len * kv_per_token(spec) / tp
@@ -128,13 +135,12 @@ def _vllm(job: Job, cfg: dict, phase: str, spec: Spec, util: float, max_len: int
 
 def _rollouts(job: Job, cfg: dict, phase: str, spec: Spec, benchmark: str, max_new: int, episodes: int,
               weights: bool = True, util: float | None = None) -> None:
-    """The agent's generation: a vLLM engine (rollout.backend vllm; its GPU share `util`, else rollout.vllm's, else
-    generation.backends.make_backend's default 0.85) or the model itself (hf: its weights unless the caller holds them,
+    """The agent's generation: a vLLM engine (rollout.backend vllm; its GPU share `util`, else rollout.vllm's:
+    config.EngineConfig) or the model itself (hf: its weights unless the caller holds them,
     `weights=False`, and the KV cache of the episodes generated together)."""
     ro = rollout_config(cfg)
     if ro.vllm_engine:
-        v = ro.vllm
-        _vllm(job, cfg, phase, spec, util or v.get("gpu_memory_utilization", 0.85), v.get("max_model_len", 16384))
+        _vllm(job, cfg, phase, spec, util or ro.vllm.gpu_memory_utilization, ro.vllm.max_model_len)
         return
     dt, n = ro.dtype, min(episodes, ro.batch_size)
     tokens = call_input(cfg, max_new) + max_new

@@ -112,9 +112,8 @@ system prompt + questions), observations = max_observation_tokens + plan.observa
 """
 from __future__ import annotations
 
-import re
-
 from memopd import cost
+from memopd.config import AgentConfig
 from memopd.plan.models import BYTES, Spec, _plan
 
 # The full-vocabulary comparisons run on chunks of COMPARE_CHUNK action positions (= memopd.rce.CHUNK; not imported:
@@ -177,20 +176,18 @@ def _rce_terms(spec: Spec, b: int, n: int, per_pack: int, why: str, c: int = COM
 
 # ----------------------------------------------------------------------------------------- sequence bounds
 def max_turns(agent: dict, benchmark: str) -> int:
-    """As agent.rollout.AgentConfig.max_turns: turns[name], else turns[name without _train/_test], else default."""
-    t = {k.lower(): v for k, v in agent["turns"].items()}
-    b = benchmark.lower()
-    return int(t.get(b, t.get(re.sub(r"_(train|test|dev|val)$", "", b), t["default"])))
+    """The rollout's turn budget of `benchmark` (config.AgentConfig.max_turns) under the `agent` section."""
+    return AgentConfig.from_dict(agent).max_turns(benchmark)
 
 
 def call_input(cfg: dict, max_new: int, rule: str | None = None) -> int:
     """Longest input of one call: q + the rule's context (memory.build_input), capped by agent.max_input_tokens
-    (a longer input ends the episode)."""
-    a, p = cfg["agent"], _plan(cfg)
-    q, obs, rule = p["prompt_tokens"], a["max_observation_tokens"] + p["observation_overhead"], rule or a["rule"]
-    context = {"suffix_retention": min(a.get("suffix_tokens", 32), max_new) + obs,
-               "sliding_window": a.get("window", 2) * (max_new + obs)}.get(rule, max_new + obs)
-    return min(q + context, a["max_input_tokens"])
+    (a longer input ends the episode); a rule of the user's is sized as one response and one observation."""
+    a, p = AgentConfig.from_dict(cfg["agent"]), _plan(cfg)
+    q, obs, rule = p["prompt_tokens"], a.max_observation_tokens + p["observation_overhead"], rule or a.rule
+    context = {"suffix_retention": min(a.suffix_tokens, max_new) + obs,
+               "sliding_window": a.window * (max_new + obs)}.get(rule, max_new + obs)
+    return min(q + context, a.max_input_tokens)
 
 
 def episode_tokens(cfg: dict, benchmark: str, max_new: int, rule: str | None = None) -> tuple[int, int]:

@@ -32,6 +32,7 @@ class Spec:
     head_dim: int = 0
     tied: bool = False
     weights_gb: float | None = None  # stored size when not params x dtype (quantised: gpt-oss MXFP4)
+    max_positions: int | None = None  # config.json's max_position_embeddings: an engine's longest sequence by default
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.hidden // self.heads
@@ -67,7 +68,7 @@ def spec_from_config(name: str, c: dict) -> Spec:
     s = Spec(name, c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
              c.get("num_key_value_heads") or c["num_attention_heads"], c["intermediate_size"], c["vocab_size"],
              params=c.get("params", 0), head_dim=c.get("head_dim") or 0, tied=bool(c.get("tie_word_embeddings")),
-             weights_gb=c.get("weights_gb"))
+             weights_gb=c.get("weights_gb"), max_positions=c.get("max_position_embeddings"))
     if c.get("model_type") == "bert" and not c.get("params"):  # e5: embeddings (+ positions, types), 12 layers, pooler
         h, i = s.hidden, s.intermediate
         s.params = (s.vocab + c.get("max_position_embeddings", 512) + c.get("type_vocab_size", 2) + 2) * h \

@@ -12,14 +12,22 @@ from memopd.plan.memory import (COMPARE_CHUNK, DIVERGENCE_BYTES, STATE_BYTES, TO
 from memopd.plan.models import BYTES, GB, Spec, _plan, model_role, resolve, role_spec
 
 
+def run_config(cfg: dict):
+    """The training run's settings as the trainer reads them (train.config.RunConfig), for the first method trained:
+    a method's own settings (train.per_method) that change memory are planned as the first method's."""
+    from memopd.train.config import RunConfig
+
+    return RunConfig.from_section(cfg["train"], cfg["train"]["methods"][0], 0)
+
+
 def plan_train(cfg: dict) -> list[Job]:
-    t, ro = cfg["train"], cfg["rollout"]
+    t, ro, run = cfg["train"], cfg["rollout"], run_config(cfg)
     job = _job(cfg, "train")
     w = max(job.gpus, 1)
-    s = w if t.get("shard", "none") == "fsdp" and w > 1 else 1
-    dt, ckpt = t.get("dtype", "float32"), bool(t.get("activation_checkpointing", False))
+    s = w if run.shard == "fsdp" and w > 1 else 1
+    dt, ckpt = run.dtype, run.activation_checkpointing
     pol, tea = role_spec(cfg, "student"), role_spec(cfg, "teacher")
-    k = t.get("critic_layers") or pol.layers  # critic = the policy's first k decoder layers + a scalar head
+    k = run.critic_layers or pol.layers  # critic = the policy's first k decoder layers + a scalar head
     pc = pol.params - (pol.layers - k) * pol.layer_params + pol.hidden + 1
     both = 1 + k / pol.layers  # policy + critic, in units of the policy's decoder
     tokens, actions = episode_tokens(cfg, t["benchmark"], ro["max_new_tokens"])
@@ -31,11 +39,11 @@ def plan_train(cfg: dict) -> list[Job]:
         job.add(ph, "reference", pol.params * 4 / s, f"P x 4 B / {s}")
         if opd:
             job.add(ph, "teacher replica", tea.weights(dt), f"P_T {tea.params:,} x {BYTES[dt]} B")
-    v, engine = t.get("vllm", {}), rollout_config(cfg)
-    sleeping = engine.vllm_engine and v.get("sleep", False)
+    engine = rollout_config(cfg)
+    sleeping = engine.vllm_engine and run.vllm.sleep
     if engine.vllm_engine:
         for ph in ("rollout",) if sleeping else ("rollout", "scoring", "update"):
-            _vllm(job, cfg, ph, pol, v.get("gpu_memory_utilization", 0.9), engine.vllm.get("max_model_len", 16384))
+            _vllm(job, cfg, ph, pol, run.vllm.gpu_memory_utilization, engine.vllm.max_model_len)
         for ph in ("scoring", "update") if sleeping else ():  # what sleep mode does not free (CUDA graphs, its pool)
             a = _plan(cfg)["vllm_asleep_gb"]
             job.add(ph, "vLLM asleep", a * GB, f"plan.vllm_asleep_gb {a}")
@@ -48,7 +56,7 @@ def plan_train(cfg: dict) -> list[Job]:
     big = tea if opd else pol  # the largest model scored: one layer's activations alive at a time
     job.add("scoring", "forward (no grad)", tokens * act_per_token(big, dt) / big.layers,
             f"T_pack {tokens} x one layer's activations")
-    n = min(t["ppo"].get("rce_sample", 0), local)  # the RCE guard before every update (rce.guard -> rce_backend)
+    n = min(run.ppo.rce_sample, local)  # the RCE guard before every update (rce.guard -> rce_backend)
     if n:
         for term, nbytes, formula in _rce_terms(pol, BYTES[dt], n * actions, actions,
                                                 f"{n} episodes x {actions} actions"):
@@ -59,7 +67,7 @@ def plan_train(cfg: dict) -> list[Job]:
                     f"{local} episodes x {actions} actions x h_T x {BYTES[dt]} B")
     job.add("update", "activations (policy + critic)", both * tokens * act_per_token(pol, dt, ckpt),
             f"(1 + {k}/{pol.layers}) models x T_pack {tokens} x {'checkpointed ' if ckpt else ''}a({dt}) x L")
-    q, turns, backend = _plan(cfg)["prompt_tokens"], max_turns(cfg["agent"], t["benchmark"]), t["ppo"]["backend"]
+    q, turns, backend = _plan(cfg)["prompt_tokens"], max_turns(cfg["agent"], t["benchmark"]), run.ppo.attention
     own = call_input(cfg, ro["max_new_tokens"]) - q + ro["max_new_tokens"]
     backend = resolve_backend(pol, backend, job.gpus > 0, ckpt, dt, q, turns, own)
     scores = attention_scores(pol, backend, job.gpus > 0, 4, tokens, q, turns, own)
@@ -85,7 +93,7 @@ def plan_train(cfg: dict) -> list[Job]:
     _retriever(job, cfg, copies=w)
     runs = len(trained_runs(t))
     job.disk["exports"] = (runs * pol.params * BYTES[dt], f"{runs} runs x P x {BYTES[dt]} B")
-    if not t.get("keep_checkpoint", False):
+    if not run.keep_checkpoint:
         job.disk["checkpoints (transient)"] = (runs * (pol.params + pc) * 12, f"{runs} runs at once x 12 B x (P + P_critic)")
     else:
         job.disk["checkpoints"] = (runs * (pol.params + pc) * 12, f"{runs} runs x 12 B x (P + P_critic)")
@@ -99,7 +107,7 @@ def _train_load(job: Job, cfg: dict, pol: Spec, s: int) -> None:
     model is sharded: the steady phases hold it."""
     _common(job, cfg, "load")
     if rollout_config(cfg).vllm_engine:
-        util = cfg["train"].get("vllm", {}).get("gpu_memory_utilization", 0.9)
+        util = run_config(cfg).vllm.gpu_memory_utilization
         job.add("load", "vLLM engine", util * job.gpu_limit, f"gpu_memory_utilization {util} x {job.gpu_limit / GB:.0f} GB")
     job.add("load", "policy (fp32, whole)", pol.params * 4, f"P {pol.params:,} x 4 B (load_model)")
     _host_load(job, pol)
@@ -145,13 +153,15 @@ def _train_resume(job: Job, p: int, pc: int, w: int, s: int, largest: float) -> 
     job.add_host("resume", "tensor being read", w * 2 * largest / s, f"{w} ranks x 2 x V x h x 4 B / {s}")
 
 
-def _sft_job(cfg: dict, rule: str, role: str, seq_len: int) -> Job:
-    sft = cfg["sft"]
+def _sft_job(cfg: dict, stage: str, role: str) -> Job:
+    from memopd.sft.trainer import TrainConfig, stage_section
+
+    rule = f"sft_{'train' if stage == 'sft' else stage}"
+    sft = TrainConfig.from_section(stage_section(cfg["sft"], stage), role)  # as the stage's trainer reads it
     job = _job(cfg, rule, role)
-    m, w = role_spec(cfg, role), max(job.gpus, 1)
-    s = w if sft.get("shard", "none") == "fsdp" and w > 1 else 1
-    dt = "bfloat16" if sft.get("precision") == "bf16" else "float32"
-    ckpt = bool(sft.get("activation_checkpointing", False))
+    m, w, seq_len = role_spec(cfg, role), max(job.gpus, 1), sft.seq_len
+    s = w if sft.shard == "fsdp" and w > 1 else 1
+    dt, ckpt = sft.dtype, sft.activation_checkpointing
     _common(job, cfg, "step")
     job.add("step", "model (AdamW)", m.params * 16 / s, f"P {m.params:,} x 16 B / {s}")
     if w > 1 and s == 1:
@@ -162,8 +172,8 @@ def _sft_job(cfg: dict, rule: str, role: str, seq_len: int) -> Job:
         _fsdp(job, "step", m, dt)
     job.add("step", "activations", seq_len * act_per_token(m, dt, ckpt),
             f"seq_len {seq_len} x {'checkpointed ' if ckpt else ''}a({dt}) x L")
-    if sft.get("backend") != "segmented":  # segmented: sdpa per example with is_causal, no mask, no scores kept
-        scores = attention_scores(m, sft.get("backend", "sdpa"), job.gpus > 0, 4, seq_len, 0, 1, seq_len)
+    if sft.attention != "segmented":  # segmented: sdpa per example with is_causal, no mask, no scores kept
+        scores = attention_scores(m, sft.attention, job.gpus > 0, 4, seq_len, 0, 1, seq_len)
         if scores:
             job.add("step", "attention scores", (1 if ckpt else m.layers) * scores, "L x heads x seq_len^2 x 4 B")
     job.add("step", "loss chunk", 2048 * m.vocab * 16, "2048 x V x 16 B (sft/loss.py _CHUNK)")
@@ -181,11 +191,13 @@ def _sft_job(cfg: dict, rule: str, role: str, seq_len: int) -> Job:
 
 
 def plan_sft(cfg: dict) -> list[Job]:
+    from memopd.sft.trainer import pretrain_steps
+
     sft, jobs = cfg["sft"], []
     for role in ("student", "teacher"):
-        jobs.append(_sft_job(cfg, "sft_train", role, sft["seq_len"]))
-        if ((sft.get("pretrain") or {}).get(role) or {}).get("steps"):  # as sft.trainer.pretrain_steps
-            jobs.append(_sft_job(cfg, "sft_pretrain", role, sft["seq_len"]))
+        jobs.append(_sft_job(cfg, "sft", role))
+        if pretrain_steps(sft, role):
+            jobs.append(_sft_job(cfg, "pretrain", role))
     m = role_spec(cfg, "teacher")  # sft_eval: fp32 forward of the largest model, no grad
     job = _job(cfg, "sft_eval", "teacher_sft")
     jobs.append(job)
@@ -296,7 +308,7 @@ def _packing_job(cfg: dict, am: Spec) -> Job:
     ph = "timed forward+backward"
     _common(job, cfg, ph)
     job.add(ph, "weights + gradients", 2 * am.weights(dt), f"2 x P {am.params:,} x {b} B")
-    ckpt = bool(pk.get("activation_checkpointing", False))
+    ckpt = bool(pk.get("activation_checkpointing"))  # as audit.steps reads it
     untimed = {"eager", "flex"} | ({"prefix_shared"} if ckpt else set())  # packing_bench.measure: RCE or forward only
     paths = [("independent_batched", T * L, attention_scores(am, "calls", gpu, 4, T * L, 0, T, L),
               f"{T} calls x L {L} (padded)")]
@@ -344,11 +356,13 @@ def plan_rollouts(cfg: dict) -> list[Job]:
 
 def plan_data(cfg: dict) -> list[Job]:
     """Model downloads and the dense index (host memory and disk)."""
+    from memopd.models import pretrained_dtype
+
     jobs = []
     for role in ("student", "teacher"):
         spec = cfg["models"][role]
         if "pretrained" in spec and not spec["pretrained"].startswith("results/"):
-            m, b = role_spec(cfg, role), BYTES[spec.get("dtype", "bfloat16")]
+            m, b = role_spec(cfg, role), BYTES[pretrained_dtype(spec)]
             job = _job(cfg, "model_init", role)  # the loaded model + safetensors' serialisation buffer
             job.host["model"] = (2 * m.params * b, f"2 x P x {b} B")
             job.disk[f"{role}_init"] = (m.params * b, f"P x {b} B")

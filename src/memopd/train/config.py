@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields
 
-from memopd.config import method_section
+from memopd.config import ColocatedEngineConfig, method_section
 from memopd.dist import TIMEOUT_MIN
 from memopd.parallel import SHARDING, check_backend
-from memopd.train.ppo import PPOConfig
+from memopd.train.update import PPOConfig
 
 WORKFLOW_KEYS = ("student", "teacher", "methods", "seeds", "benchmark", "horizons", "matched_control")
 # PPOConfig fields that are not keys of train.ppo: the run's method and seed, train.dtype, the tokenizer's size
@@ -33,7 +33,7 @@ class RunConfig:
     keep_checkpoint: bool = False  # keep checkpoint/ after a finished run
     shard: str = "none"  # none (a replica per rank) | fsdp (FSDP2 shards of policy, critic, reference)
     activation_checkpointing: bool = False  # recompute every decoder layer of policy and critic in the backward
-    vllm: dict = field(default_factory=dict)  # the colocated rollout engine (weight_sync.colocated_llm)
+    vllm: ColocatedEngineConfig = field(default_factory=ColocatedEngineConfig)  # train.vllm
     dist_timeout_min: float = TIMEOUT_MIN  # how long a rank waits in a collective (rank 0 writing a checkpoint)
 
     def __post_init__(self):
@@ -63,4 +63,5 @@ class RunConfig:
         precision = {"dtype": section["dtype"]} if "dtype" in section else {}
         ppo = PPOConfig(**{PPO_FIELD_OF_KEY.get(k, k): v for k, v in section["ppo"].items()}, **precision,
                         method=method, seed=seed)
-        return cls(**{k: v for k, v in section.items() if k in own and k != "ppo"}, ppo=ppo)
+        return cls(**{k: v for k, v in section.items() if k in own and k not in ("ppo", "vllm")}, ppo=ppo,
+                   vllm=ColocatedEngineConfig.from_dict(section.get("vllm")))

@@ -55,7 +55,7 @@ from memopd.dist import dist_info, gather, setup_distributed
 from memopd.harness import Harness, Part, ResumeMismatch, export
 from memopd.methods import method as method_spec
 from memopd.train.config import RunConfig
-from memopd.train.ppo import ValueModel, ppo_update
+from memopd.train.update import ValueModel, ppo_update
 from memopd.vocab import check_model_dirs
 
 # train.* keys (dotted) that do not change what a step computes, so not part of a run's identity: the data order
@@ -251,10 +251,10 @@ class _RunStep:
         sampling = make_sampling(ro)
         sync = backend = None
         if ro.vllm_engine:  # the engine first: it sizes its memory from what is free
-            from memopd.generation.weight_sync import WeightSync, colocated_llm, sleep_mode
+            from memopd.generation.weight_sync import WeightSync, colocated_llm
 
             llm = colocated_llm(student_dir, ro, run.vllm, seed, world)
-            sync = WeightSync(llm, sleep=sleep_mode(run.vllm))
+            sync = WeightSync(llm, sleep=run.vllm.sleep)
             backend = VLLMBackend(student_dir, tok, sampling, llm=llm)
         policy, ref, critic, teacher = build_models(run, method, student_dir, teacher_dir, device, world)
         actor_opt = torch.optim.AdamW(policy.parameters(), lr=run.lr_actor, weight_decay=0.0)

@@ -1,0 +1,148 @@
+"""Every default of a typed config section is declared once, in its dataclass: no module reads such a key with a
+fallback of its own, and the planner sizes each job with the values its trainer will run with."""
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from memopd.config import AgentConfig, ColocatedEngineConfig, EngineConfig, RolloutConfig, rollout_config
+from memopd.sft.trainer import TrainConfig
+from memopd.train.config import PPO_FIELD_OF_KEY, RunConfig
+from memopd.train.update import PPOConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TYPED = (AgentConfig, RolloutConfig, EngineConfig, ColocatedEngineConfig, RunConfig, PPOConfig, TrainConfig)
+# reads of such a key name with a fallback that are not a typed section's: (file, key) -> why
+NOT_A_TYPED_SECTION = {
+    ("audit/steps.py", "rule"): "an episode file's recorded metadata, '?' when absent",
+    ("audit/steps.py", "invalid_action"): "an episode file's recorded metadata",
+    ("audit/steps.py", "temperature"): "an episode file's recorded metadata",
+    ("audit/steps.py", "max_new_tokens"): "an episode file's recorded metadata",
+    ("audit/steps.py", "backend"): "an episode file's recorded metadata",
+    ("audit/steps.py", "seed"): "an episode file's recorded metadata",
+    ("audit/batch.py", "top_p"): "a ledger's recorded sampling parameters (docs/ledger.md: absent = 1.0)",
+    ("audit/batch.py", "top_k"): "a ledger's recorded sampling parameters (docs/ledger.md: absent = 0)",
+    ("config.py", "ppo"): "train.per_method's optional ppo overrides",
+    ("evaluation/evaluate.py", "vllm"): "the rollout section's optional engine, replaced for one step",
+    ("evaluation/evaluate.py", "invalid_action"): "rce_rollouts' override, else the typed agent section's",
+    ("retrieval/steps.py", "backend"): "retrieval.backend: the retrieval section's own key",
+    ("teachers/trajectories.py", "reward"): "teacher.reward: the trajectory filter's own key",
+    ("sft/trainer.py", "steps"): "sft.pretrain.<role>.steps: no pre-training stage when absent",
+    ("study/chain.py", "snapshots"): "read when the Snakefile is parsed (no torch): none when absent",
+    ("models.py", "dtype"): "models.<role>.dtype, declared once in models.pretrained_dtype",
+}
+
+
+def _typed_keys() -> set[str]:
+    keys = {f.name for c in TYPED for f in dataclasses.fields(c)}
+    return keys | set(PPO_FIELD_OF_KEY) | {"backend"}
+
+
+def test_no_module_reads_a_typed_key_with_its_own_fallback():
+    """A `.get("key", default)` of a key some typed section declares, in any module: the default is then spelled
+    twice and may drift (each known exception says why it is not a typed section's key)."""
+    keys, found = _typed_keys(), []
+    for path in sorted((ROOT / "src/memopd").rglob("*.py")):
+        rel = str(path.relative_to(ROOT / "src/memopd"))
+        for n in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get"
+                    and len(n.args) == 2 and isinstance(n.args[0], ast.Constant) and n.args[0].value in keys
+                    and not (isinstance(n.args[1], ast.Constant) and n.args[1].value is None)
+                    and (rel, n.args[0].value) not in NOT_A_TYPED_SECTION):
+                found.append(f"{rel}:{n.lineno}: .get({n.args[0].value!r}, {ast.unparse(n.args[1])})")
+    assert not found, "\n".join(found)
+
+
+def _paper(drop: tuple[tuple[str, ...], ...]) -> dict:
+    from memopd.plan import load_config
+
+    cfg = copy.deepcopy(load_config([str(ROOT / "config/paper.yaml")]))
+    for *path, key in drop:
+        d = cfg
+        for p in path:
+            d = d[p]
+        d.pop(key)
+    return cfg
+
+
+def _job(cfg: dict, rule: str, name: str | None = None):
+    from memopd.plan.stages import plan
+
+    return next(j for j in plan(cfg, [rule]) if name is None or j.name == name)
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """vLLM's LLM as a recorder of its keyword arguments (vLLM needs a GPU; the arguments are what is checked)."""
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **kw: kw))
+
+
+def test_the_colocated_engine_the_planner_sizes_is_the_one_the_trainer_starts(fake_vllm):
+    """Without train.vllm and rollout.vllm.gpu_memory_utilization, the planned engine's share of the GPU, the one
+    weight_sync.colocated_llm passes to vLLM, and ColocatedEngineConfig's default are one number."""
+    from memopd.generation.weight_sync import colocated_llm
+    from memopd.plan.stages import run_config
+
+    cfg = _paper((("train", "vllm"), ("rollout", "vllm", "gpu_memory_utilization"), ("train", "ppo", "rce_sample")))
+    job = _job(cfg, "train")
+    planned = job.phases["rollout"]["vLLM engine"][0] / job.gpu_limit
+    run = RunConfig.from_section(cfg["train"], cfg["train"]["methods"][0], 0)
+    started = colocated_llm("model", rollout_config(cfg), run.vllm, seed=0)
+    assert planned == pytest.approx(started["gpu_memory_utilization"]) == ColocatedEngineConfig().gpu_memory_utilization
+    assert started["max_model_len"] == cfg["rollout"]["vllm"]["max_model_len"]
+    assert started["enable_sleep_mode"] is False and "vLLM asleep" not in job.phases.get("update", {})
+    # the RCE guard: PPOConfig's default number of episodes is planned when the config does not say
+    assert run_config(cfg).ppo.rce_sample == PPOConfig.rce_sample > 0
+    assert any(t.startswith("RCE guard") for t in job.phases["scoring"])
+
+
+def test_a_rollout_engine_without_max_model_len_is_planned_at_the_models_limit():
+    """vLLM takes the model's max_position_embeddings when max_model_len is not given; so does the planner (the
+    paper's models state 32768), and a model that states none is a config error naming the key."""
+    from memopd.inputs import ConfigError
+
+    cfg = _paper((("rollout", "vllm", "max_model_len"),))
+    job = _job(cfg, "train")
+    assert any("KV of one 32768-token sequence" in what for what, _, _ in job.checks)
+    cfg["plan"]["models"]["Qwen/Qwen2.5-3B-Instruct"].pop("max_position_embeddings")
+    with pytest.raises(ConfigError, match="rollout.vllm.max_model_len"):
+        _job(cfg, "train")
+
+
+def test_the_sft_job_is_planned_with_the_roles_own_settings():
+    """A role's override (sft.teacher.seq_len) reaches the planned activations as it reaches the trainer
+    (sft.commands.train_config), the student keeping the section's."""
+    from memopd.plan import load_config
+    from memopd.sft.commands import train_config
+
+    cfg = load_config([str(ROOT / "config/config.yaml")])
+    cfg["sft"]["teacher"]["seq_len"] = cfg["sft"]["seq_len"] + 512
+    for role in ("student", "teacher"):
+        job = next(j for j in _plans(cfg, "sft_train") if j.name == f"sft_train[{role}]")
+        assert f"seq_len {train_config(cfg['sft'], role).seq_len} " in job.phases["step"]["activations"][1]
+    assert train_config(cfg["sft"], "teacher").seq_len == cfg["sft"]["seq_len"] + 512
+
+
+def _plans(cfg, rule):
+    from memopd.plan.stages import plan
+
+    return plan(cfg, [rule])
+
+
+def test_the_typed_engines_take_only_the_keys_the_schema_declares():
+    """rollout.vllm and train.vllm: the schema's keys are the dataclasses' fields, and an unknown key is refused."""
+    import yaml
+
+    from memopd.inputs import ConfigError
+
+    schema = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())["properties"]
+    for section, cls in (("rollout", EngineConfig), ("train", ColocatedEngineConfig)):
+        assert set(schema[section]["properties"]["vllm"]["properties"]) == {f.name for f in dataclasses.fields(cls)}
+        with pytest.raises(ConfigError, match=f"unknown {section}.vllm keys \\['gpu_mem'\\]"):
+            cls.from_dict({"gpu_mem": 0.5})
