@@ -96,6 +96,29 @@ def test_tables_rebuilt_from_the_archive_alone_are_the_runs_tables(archived, mon
     assert (tmp / "rebuilt/figures/training_curves.png").stat().st_size > 0
 
 
+def test_the_claims_table_rebuilt_from_the_archive_is_the_runs(tmp_path):
+    """A run that declares its claims: the archive keeps them, and the claims table rebuilt from it alone is the one
+    built from the run's evaluations, byte for byte; claims on a benchmark the archive does not keep are refused."""
+    claims = {"primary": ["1a", "3"], "short": "q2_test", "long": "wikirag_test"}
+    _results(tmp_path / "results")
+    run = {k: v for k, v in TRAIN.items() if k != "matched_control"}
+    main(["study", "claims", "--cfg", json.dumps({"train": run, "claims": claims}), "--eval-dir",
+          str(tmp_path / "results/eval"), "--out", str(tmp_path / "own/claims.csv")])
+    args = ["report", "archive", "--cfg", json.dumps(TRAIN), "--reward", "f1", "--eval-dir",
+            str(tmp_path / "results/eval"), "--train-dir", str(tmp_path / "results/train"), "--out",
+            str(tmp_path / "archive")]
+    with pytest.raises(SystemExit):
+        main([*args, "--claims", json.dumps({**claims, "long": "q8_test"})])
+    main([*args, "--claims", json.dumps(claims)])
+    assert read_archive(tmp_path / "archive")["claims"] == claims
+    shutil.rmtree(tmp_path / "results")
+    main(["report", "from-archive", "--archive", str(tmp_path / "archive"), "--out-dir", str(tmp_path / "rebuilt")])
+    for ext in (".csv", ".md"):
+        own, rebuilt = (tmp_path / d / f"claims{ext}" for d in ("own", "rebuilt/tables"))
+        assert rebuilt.read_bytes() == own.read_bytes(), ext
+    assert "1a" in (tmp_path / "own/claims.csv").read_text()
+
+
 def test_the_archive_keeps_what_the_tables_read_and_records_its_source(archived):
     tmp = archived
     m = read_archive(tmp / "archive")

@@ -190,6 +190,7 @@ rule archive:
         memopd=MEMOPD,
         cfg=cfg_json("train"),
         reward=config["agent"]["reward"],
+        claims=json.dumps(config.get("claims") or {}, sort_keys=True),
     log:
         f"{LOGS}/archive.log",
     benchmark:
@@ -200,5 +201,5 @@ rule archive:
     conda:
         ENV_CPU
     shell:
-        "{params.memopd} report archive --cfg {params.cfg:q} --reward {params.reward} --eval-dir results/eval "
-        "--train-dir results/train --out results/archive > {log} 2>&1"
+        "{params.memopd} report archive --cfg {params.cfg:q} --reward {params.reward} --claims {params.claims:q} "
+        "--eval-dir results/eval --train-dir results/train --out results/archive > {log} 2>&1"

@@ -1,11 +1,13 @@
 """A small archive of a finished set of training runs, to commit: every evaluation the result tables read
 (scalar scores, and per-task EM/F1 of every evaluation) and every run's per-step training metrics (the matched
 control's runs too), with the config, label and commit they came from. Tables 1-2, vs_student, the matched control and the training-curve table rebuild from it alone
-(`memopd report from-archive`), without rerunning anything.
+(`memopd report from-archive`), without rerunning anything; so does the claims table when the run declares its
+claims (config `claims`, kept in the manifest).
 
 Layout (the results/ layout, so the report commands read it unchanged):
     archive.json                                  manifest: format, commit, created, the `train` config, the reward,
-                                                  the run's label (captions), every file with its SHA-256
+                                                  the run's label (captions), its `claims` (or null), every file with
+                                                  its SHA-256
     eval/{model}/{benchmark}.json                 the evaluation's scalar scores (its nested config and timings left out)
     eval/{model}/{benchmark}.csv                  per task: task_id, em, f1
     train/{method}/seed{seed}/metrics.jsonl.gz    every logged step, line for line (gzip without a timestamp)
@@ -22,6 +24,7 @@ import subprocess
 from pathlib import Path
 
 from memopd.config import matched_control_config, trained_runs
+from memopd.inputs import ConfigError
 from memopd.outputs import write_json
 
 FORMAT = 1
@@ -79,12 +82,15 @@ def _copy_tasks(src: Path, dst: Path) -> None:
 
 
 def write_archive(train: dict, reward: str, eval_dir: str | Path, train_dir: str | Path, out: str | Path,
-                  commit: str, label: str = "") -> dict:
+                  commit: str, label: str = "", claims: dict | None = None) -> dict:
     """Copy what `contents(train)` names from `eval_dir` / `train_dir` into `out` (replacing its eval/ and train/)
     and write its manifest (last, so an interrupted archive has none). A missing file is named before anything is
-    written. `label`: the run's label, which prefixes its captions (memopd.outputs.LABEL_VAR)."""
+    written. `label`: the run's label, which prefixes its captions (memopd.outputs.LABEL_VAR); `claims`: the config
+    section the claims table reads (its short and long horizons among train.horizons, so archived)."""
     eval_dir, train_dir, out = Path(eval_dir), Path(train_dir), Path(out)
     evals, runs = contents(train)
+    if claims and (outside := [claims[k] for k in ("short", "long") if claims[k] not in train["horizons"]]):
+        raise ConfigError(f"claims: {outside[0]!r} is not a horizon of train.horizons, so not archived")
     sources = [eval_dir / m / f"{b}{ext}" for m, b in evals for ext in (".json", ".csv")]
     sources += [train_dir / m / f"seed{s}" / "metrics.jsonl" for m, s in runs]
     missing = [str(p) for p in sources if not p.is_file()]
@@ -112,7 +118,7 @@ def write_archive(train: dict, reward: str, eval_dir: str | Path, train_dir: str
         files.append(d / "metrics.jsonl.gz")
     files.sort()
     manifest = {"format": FORMAT, "commit": commit, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds"), "train": train, "reward": reward, "label": label,
+                timespec="seconds"), "train": train, "reward": reward, "label": label, "claims": claims,
                 "files": {str(p.relative_to(out)): _sha256(p) for p in files}}
     write_json(out / MANIFEST, manifest)
     return manifest

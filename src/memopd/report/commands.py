@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memopd.inputs import existing, require
+from memopd.inputs import existing, parse_cfg, require
 from memopd.outputs import print_table, write_table
 
 RESULTS_KEYS = ("methods", "seeds", "horizons", "student", "teacher", "steps", "batch_tasks")  # the `train` section
@@ -122,13 +122,14 @@ def cmd_report_archive(args, cfg):
 
     require(cfg, *RESULTS_KEYS, "benchmark")
     m = write_archive(cfg, args.reward, args.eval_dir, args.train_dir, args.out, git_commit(Path(__file__).parent),
-                      os.environ.get(LABEL_VAR, ""))
+                      os.environ.get(LABEL_VAR, ""), parse_cfg(args.claims) or None)
     print(f"{len(m['files'])} files, commit {m['commit']} -> {args.out}")
 
 
 def cmd_report_from_archive(args, cfg):
-    """Tables 1-2, vs_student, the F1-vs-horizon figure, the matched control and the training-curve table from an
-    archive alone (its files checked against their SHA-256 first), captioned with the run's label."""
+    """Tables 1-2, vs_student, the F1-vs-horizon figure, the matched control, the training-curve table and (when the
+    run declared its claims) the claims table from an archive alone (its files checked against their SHA-256
+    first), captioned with the run's label."""
     import os
 
     from memopd.report.archive import metrics_files, read_archive
@@ -144,6 +145,10 @@ def cmd_report_from_archive(args, cfg):
         matched_control_table(train, eval_dir, out / "tables" / "matched_control.csv")
         curves_table(train, metrics_files(args.archive, manifest), out / "figures" / "training_curves.png",
                      out / "tables" / "training_curves.csv", manifest["reward"])
+        if manifest.get("claims"):
+            from memopd.study.commands import claims_table
+
+            claims_table({"train": train, "claims": manifest["claims"]}, eval_dir, out / "tables" / "claims.csv")
     finally:
         if before is None:
             os.environ.pop(LABEL_VAR, None)
@@ -167,6 +172,7 @@ def register(cli) -> None:
     sp.add_argument("--train-dir", default="results/train", help="reads {train-dir}/{method}/seed{seed}/metrics.jsonl")
     sp.add_argument("--reward", required=True, help="the score the runs were trained on (agent.reward: em, f1)")
     sp.add_argument("--out", default="results/archive", help="the archive's folder (archive.json: its manifest)")
+    sp.add_argument("--claims", default="{}", help="JSON of config `claims` (the claims table's), kept in the manifest")
     sp = cli.add("report from-archive", cmd_report_from_archive, "Tables 1-2, vs_student, the matched control and "
                  "the training-curve table from an archive alone (written by `report archive`)")
     sp.add_argument("--archive", required=True, help="the archive's folder")
