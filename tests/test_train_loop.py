@@ -620,7 +620,7 @@ def test_training_checkpoints_activations_when_configured(setup, tmp_path, monke
 
 def test_activation_checkpointing_is_not_part_of_a_runs_identity():
     """Recomputing layers changes how a step runs, not what it computes: a checkpoint resumes with it toggled."""
-    from memopd.train.loop import run_identity
+    from memopd.train.loop import training_identity as run_identity
 
     cfg = {"train": {"lr_actor": 1e-5, "activation_checkpointing": False}, "agent": {}, "rollout": {}}
     on = {**cfg, "train": {**cfg["train"], "activation_checkpointing": True}}
@@ -631,7 +631,7 @@ def test_activation_checkpointing_is_not_part_of_a_runs_identity():
 def test_memory_settings_are_not_part_of_a_runs_identity():
     """The natural fix of an out-of-memory step (a smaller vLLM share, a smaller chunk of logit rows) keeps the
     checkpoint usable; a change of what the update computes (the PPO clip) does not."""
-    from memopd.train.loop import run_identity
+    from memopd.train.loop import training_identity as run_identity
 
     train = {"lr_actor": 1e-6, "vllm": {"gpu_memory_utilization": 0.3, "sleep": True},
              "ppo": {"clip": 0.2, "chunk_size": 512}}

@@ -17,6 +17,7 @@ for trainers that say so, replaced.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from contextlib import contextmanager, nullcontext
@@ -31,6 +32,30 @@ from memopd.checkpoint import (PendingSave, is_sharded, load_sharded, load_tenso
                                rng_state, save_sharded, save_tensors, set_rng_state)
 from memopd.dist import TIMEOUT_MIN, dist_info
 from memopd.progress import Progress
+
+
+def file_identity(path: str | Path | None) -> dict | None:
+    """Path as given, and size + modification time of every file (a model rebuilt upstream is another
+    model; content hashes of multi-GB models would cost minutes at every start)."""
+    if path is None:
+        return None
+    p = Path(path)
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p] if p.exists() else []
+    return {"path": str(path), "files": {str(f.relative_to(p)) if p.is_dir() else f.name:
+                                         [f.stat().st_size, f.stat().st_mtime_ns] for f in files}}
+
+
+def run_identity(config: dict, seed: int, inputs: dict, **more) -> dict:
+    """A run's identity, what its saved state must match to be taken up again (a checkpoint, a finished chunk): the
+    config it reads, its seed, the identity of every input (`inputs`: name -> file or directory, or None) and what
+    else decides its result (`more`), as JSON values. Every trainer's and every resumable step's identity is this."""
+    identity = {"config": config, "seed": seed, **{k: file_identity(p) for k, p in inputs.items()}, **more}
+    return json.loads(json.dumps(identity, sort_keys=True, default=str))
+
+
+def digest(identity: dict) -> str:
+    """The SHA-256 of an identity's JSON (keys sorted)."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 
 class ResumeMismatch(RuntimeError):

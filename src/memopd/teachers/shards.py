@@ -16,7 +16,6 @@ the others; other work discards them. The parts are removed once the shard's fil
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -45,23 +44,12 @@ def chunk_bounds(lo: int, hi: int, size: int | None) -> list[tuple[int, int]]:
     return [(a, min(a + size, hi)) for a in range(lo, hi, size)]
 
 
-def identity(path: str | Path) -> list:
-    """(relative path, size, mtime_ns) of a file or of every file under a directory."""
-    p = Path(path)
-    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p] if p.exists() else []
-    return [(str(f.relative_to(p)) if p.is_dir() else f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-
-
 def code_digest() -> str:
     """The hash of the code PLAYER can run (memopd.codegraph: its import closure): chunks played by other code are
     not reused."""
     from memopd.codegraph import code_hash
 
     return code_hash(PLAYER, PACKAGE.parent)
-
-
-def fingerprint(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 class Chunks:

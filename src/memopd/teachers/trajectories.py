@@ -19,8 +19,8 @@ from pathlib import Path
 
 from memopd.agent.protocol import INFO, INFO_END, THINK, THINK_END
 from memopd.agent.rollout import rollout
-from memopd.teachers.shards import (Chunks, chunk_bounds, code_digest, concat_episode_files, episode_rows, fingerprint,
-                                 identity, shard_bounds)
+from memopd.harness import digest, run_identity
+from memopd.teachers.shards import (Chunks, chunk_bounds, code_digest, concat_episode_files, episode_rows, shard_bounds)
 from memopd.teachers.scripted import ScriptedConfig, ScriptedTeacher, memory_claims
 from memopd.config import AgentConfig
 from memopd.records import Episode, save_episodes
@@ -120,9 +120,9 @@ def trajectories_step(cfg: dict, benchmarks: list[str], index: str, tokenizer_di
     bounds = chunk_bounds(lo, hi, tc.get("chunk_tasks"))
     agent = AgentConfig.from_dict(cfg["agent"], batch_size=tc.get("batch_size") or cfg["rollout"]["batch_size"],
                                   reward=tc.get("reward", "f1"))
-    key = fingerprint({"config": cfg, "seed": seed, "limit": limit, "chunks": bounds, "code": code_digest(),
-                       "tasks": [(t.task_id, t.questions, t.answers, t.benchmark) for t in tasks[lo:hi]],
-                       "index": identity(index), "tokenizer": identity(tokenizer_dir)})
+    key = digest(run_identity(cfg, seed, {"index": index, "tokenizer": tokenizer_dir}, limit=limit, chunks=bounds,
+                              code=code_digest(), tasks=[(t.task_id, t.questions, t.answers, t.benchmark)
+                                                         for t in tasks[lo:hi]]))
     parts = Chunks(Path(out).with_suffix(".parts"), key)
     infos = [parts.done(j) for j in range(len(bounds))]
     todo = [j for j, info in enumerate(infos) if info is None]

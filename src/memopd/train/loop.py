@@ -24,14 +24,14 @@ Files in the run directory:
   checkpoint/          one process: policy + critic (safetensors), optimizers, RNG state and the next step
                        (torch.save of tensors only, read back memory-mapped with weights_only=True); under a
                        process group the same state sharded (torch.distributed.checkpoint: __<rank>_0.distcp
-                       per rank, .metadata); meta.json: the step and the run's identity (`run_identity`);
+                       per rank, .metadata); meta.json: the step and the run's identity (`training_identity`);
                        metrics.jsonl: the steps before it. Written every train.checkpoint_every steps and at
                        the last (memopd.harness); `memopd train` deletes it once the model is exported and the
                        run recorded (unless train.keep_checkpoint), so a failure up to then costs no step
   model/               the final policy (safetensors + tokenizer), evaluated like any model
 
 Resume: a run finds checkpoint/ and continues from its step, only if the checkpoint is of this very run
-(same config, method, seed, models and data: `run_identity`); any other checkpoint is refused, naming what
+(same config, method, seed, models and data: `training_identity`); any other checkpoint is refused, naming what
 changed (continuing it would mix two runs in one model). The metrics of the steps before the checkpoint
 come back from checkpoint/metrics.jsonl: Snakemake deletes the output metrics.jsonl before it reruns or
 retries a job, and a killed run may have written steps after its last checkpoint; either way the resumed
@@ -52,7 +52,7 @@ import torch
 
 from memopd import parallel
 from memopd.dist import dist_info, gather, setup_distributed
-from memopd.harness import Harness, Part, ResumeMismatch, export
+from memopd.harness import Harness, Part, ResumeMismatch, export, run_identity
 from memopd.methods import method as method_spec
 from memopd.train.config import RunConfig
 from memopd.train.update import ValueModel, ppo_update
@@ -79,24 +79,10 @@ def _without(section: dict, paths) -> dict:
     return out
 
 
-def file_identity(path: str | Path | None) -> dict | None:
-    """Path as given, and size + modification time of every file (a model rebuilt upstream is another
-    model; content hashes of multi-GB models would cost minutes at every start)."""
-    if path is None:
-        return None
-    p = Path(path)
-    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
-    return {"path": str(path), "files": {str(f.relative_to(p)) if p.is_dir() else f.name:
-                                         [f.stat().st_size, f.stat().st_mtime_ns] for f in files}}
-
-
-def run_identity(cfg: dict, method: str, seed: int, **inputs) -> dict:
-    """What a checkpoint must match to be resumed: the config sections the run reads (less NOT_IDENTITY),
-    method, seed and every input (`inputs`: name -> file or directory, or None), as JSON values."""
-    train = _without(cfg["train"], NOT_IDENTITY)
-    identity = {"config": {**cfg, "train": train}, "method": method, "seed": seed,
-                **{name: file_identity(path) for name, path in inputs.items()}}
-    return json.loads(json.dumps(identity, sort_keys=True, default=str))
+def training_identity(cfg: dict, method: str, seed: int, **inputs) -> dict:
+    """What a checkpoint must match to be resumed (harness.run_identity): the config sections the run reads (less
+    NOT_IDENTITY), method, seed and every input (`inputs`: name -> file or directory, or None)."""
+    return run_identity({**cfg, "train": _without(cfg["train"], NOT_IDENTITY)}, seed, inputs, method=method)
 
 
 def preflight(cfg: dict, run: RunConfig, method: str, seed: int, student_dir, teacher_dir, tasks_path, index_dir,
@@ -109,7 +95,7 @@ def preflight(cfg: dict, run: RunConfig, method: str, seed: int, student_dir, te
         raise ValueError(f"method {method!r} needs a teacher")
     if taught:
         check_model_dirs(student_dir, teacher_dir)
-    harness.identity = run_identity(cfg, method, seed, student=student_dir, teacher=teacher_dir if taught else None,
+    harness.identity = training_identity(cfg, method, seed, student=student_dir, teacher=teacher_dir if taught else None,
                                     tasks=tasks_path, index=index_dir)
     resume = harness.find()
     if resume is not None and resume["step"] > run.steps:  # train.steps is not part of the identity
