@@ -216,6 +216,21 @@ def test_interleaving_rotates_the_order_and_times_every_repeat():
     assert all(len(t) == 3 and all(x >= 0 for x in t) for t in times.values())
 
 
+def test_interleaved_runs_report_progress_with_time_left():
+    import io
+
+    from memopd.progress import Progress
+
+    out = io.StringIO()
+    bar = Progress("layouts", 6, "runs", stream=out)
+    interleaved_times({"a": lambda: None, "b": lambda: None}, repeats=2, warmup=1, progress=bar)
+    lines = out.getvalue().splitlines()
+    assert [ln.rsplit(", ", 2)[-2:] for ln in lines] == [["a", "warm-up"], ["b", "warm-up"], ["b", "repeat 1"],
+                                                          ["a", "repeat 1"], ["a", "repeat 2"], ["b", "repeat 2"]]
+    assert lines[0].startswith("layouts: 1/6 runs")
+    assert lines[-1].startswith("layouts: 6/6 runs") and lines[-1].endswith("b, repeat 2") and "left" in lines[-1]
+
+
 def test_ratio_interval_is_the_median_with_a_bootstrap_band():
     base, path = [2.0, 2.2, 1.9, 2.1, 2.0, 4.0], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     m, lo, hi = ratio_interval(base, path)

@@ -89,10 +89,11 @@ def flop_ratio(episodes: list[Episode], model) -> float:
     return ind / pk
 
 
-def interleaved_times(fns: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved_times(fns: dict, repeats: int, warmup: int = 1, progress=None) -> dict[str, list[float]]:
     """Seconds of every function per repeat, the functions interleaved within each repeat (their order rotated
     from one repeat to the next), so that a slow spell of a shared machine hits every path alike and a ratio
-    of two paths' times in the same repeat cancels it. `warmup` untimed rounds first (flex compiles)."""
+    of two paths' times in the same repeat cancels it. `warmup` untimed rounds first (flex compiles).
+    `progress` (a memopd.progress.Progress over (warmup + repeats) x len(fns) runs): a line after each run."""
     names = list(fns)
     times = {n: [] for n in names}
     for r in range(warmup + repeats):
@@ -101,6 +102,8 @@ def interleaved_times(fns: dict, repeats: int, warmup: int = 1) -> dict[str, lis
             fns[n]()
             if r >= warmup:
                 times[n].append(time.perf_counter() - t0)
+            if progress is not None:
+                progress.update(1, f"{n}, {'warm-up' if r < warmup else f'repeat {r - warmup + 1}'}")
     return times
 
 

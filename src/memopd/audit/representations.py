@@ -19,6 +19,7 @@ from memopd.audit.adapters import BatchRow, exact_packer, packed_rows, persisten
 from memopd.audit.batch import audit
 from memopd.audit.packing_bench import interleaved_times
 from memopd.ledger import LedgerEpisode
+from memopd.progress import Progress
 from memopd.stats import ratio_interval
 
 
@@ -81,7 +82,10 @@ def compare_layouts(model, episodes: list[LedgerEpisode], repeats: int = 3, labe
     records = [e.to_episode() for e in episodes]
     made = {name: fn(records) for name, fn in LAYOUTS.items()}
     made = {k: v for k, v in made.items() if v is not None}
-    times = interleaved_times({k: (lambda rows=v: forward_backward(model, rows)) for k, v in made.items()}, repeats)
+    bar = Progress(f"layouts[{label}]", (1 + repeats) * len(made), "forward+backward runs")
+    times = interleaved_times({k: (lambda rows=v: forward_backward(model, rows)) for k, v in made.items()}, repeats,
+                              progress=bar)
+    bar.close()
     model.zero_grad(set_to_none=True)
     tokens = {k: sum(len(r.input_ids) for r in v) for k, v in made.items()}
     out = []
