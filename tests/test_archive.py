@@ -119,6 +119,36 @@ def test_the_claims_table_rebuilt_from_the_archive_is_the_runs(tmp_path):
     assert "1a" in (tmp_path / "own/claims.csv").read_text()
 
 
+def test_the_sft_chain_table_rebuilt_from_the_archive_is_the_runs(tmp_path, capsys):
+    """A run that chose its student along the SFT chain: the archive keeps the chain's evaluations and what its table
+    reads, and from-archive rebuilds sft_chain.json and .txt byte for byte."""
+    from dataclasses import asdict
+
+    from test_study import _model, _write
+
+    from memopd.study.chain import Benchmarks
+    from memopd.study.commands import chain_table
+
+    _results(tmp_path / "results")
+    ev, b = tmp_path / "results/eval", Benchmarks()
+    _write(ev, "teacher_sft", b.short, 0.0, 0.5)
+    _write(ev, "teacher_sft", b.long, 0.0, 0.4)
+    _model(ev, "student_sft_s3", 0.0, 0.0, 0.0)
+    _model(ev, "student_sft_s6", 0.1, 0.3, 0.2)
+    chain = {"models": ["student_sft_s3", "student_sft_s6"], "teacher": "teacher_sft", "benchmarks": asdict(b)}
+    chain_table(chain, ev, tmp_path / "own/sft_chain.json")
+    main(["report", "archive", "--cfg", json.dumps(TRAIN), "--reward", "f1", "--eval-dir", str(ev), "--train-dir",
+          str(tmp_path / "results/train"), "--out", str(tmp_path / "archive"), "--chain", json.dumps(chain)])
+    manifest = read_archive(tmp_path / "archive")
+    assert manifest["chain"] == chain and "eval/student_sft_s6/q8_dev.csv" in manifest["files"]
+    shutil.rmtree(tmp_path / "results")
+    main(["report", "from-archive", "--archive", str(tmp_path / "archive"), "--out-dir", str(tmp_path / "rebuilt")])
+    for ext in (".json", ".txt"):
+        own, rebuilt = (tmp_path / d / f"sft_chain{ext}" for d in ("own", "rebuilt/tables"))
+        assert rebuilt.read_bytes() == own.read_bytes(), ext
+    assert json.loads((tmp_path / "own/sft_chain.json").read_text())["chosen"] == "student_sft_s6"
+
+
 def test_the_archive_keeps_what_the_tables_read_and_records_its_source(archived):
     tmp = archived
     m = read_archive(tmp / "archive")

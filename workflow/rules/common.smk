@@ -41,9 +41,10 @@ try:
     from memopd.config import RULES, eval_job_config, matched_control_config, method_section, trained_runs
     from memopd.methods import METHODS, teacher_model
     from memopd.prefetch import encodings_dir, hub_repos, localize
+    from memopd.report.archive import chain_evals
     from memopd.report.archive import contents as archive_contents
     from memopd.schema import merge_files
-    from memopd.study.chain import chain_models
+    from memopd.study.chain import chain_config, chain_models
 finally:
     sys.path.remove(SRC)
 COMMANDS = command_targets(Path(SRC))  # "audit alignment" -> "memopd.audit.commands:cmd_audit_alignment"

@@ -257,7 +257,8 @@ rule sft_summary:
 
 # Design D of the controlled study (memopd.study.chain): the RL student chosen along the SFT chain's snapshots
 SFT_SNAPSHOTS = any(config["sft"][r].get("snapshots") for r in ("student", "teacher"))
-CHAIN_BENCHMARKS = {"reward": "q2_train", "short": "q2_dev", "long": "q8_dev"}
+CHAIN = chain_config(config["sft"]) if SFT_SNAPSHOTS else {}  # what its table reads (and rule archive keeps)
+CHAIN_BENCHMARKS = chain_config(config["sft"])["benchmarks"]
 
 if SFT_SNAPSHOTS:
 

@@ -182,6 +182,7 @@ rule archive:
     # enough to commit: `memopd report from-archive --archive results/archive --out-dir DIR` rebuilds the tables
     input:
         evals=[f"results/eval/{model}/{bench}.json" for model, bench in ARCHIVE_EVALS],
+        chain=[f"results/eval/{model}/{bench}.json" for model, bench in chain_evals(CHAIN)],
         metrics=[f"results/train/{method}/seed{seed}/metrics.jsonl" for method, seed in ARCHIVE_RUNS],
     output:
         manifest="results/archive/archive.json",
@@ -191,6 +192,7 @@ rule archive:
         cfg=cfg_json("train"),
         reward=config["agent"]["reward"],
         claims=json.dumps(config.get("claims") or {}, sort_keys=True),
+        chain=json.dumps(CHAIN, sort_keys=True),
     log:
         f"{LOGS}/archive.log",
     benchmark:
@@ -202,4 +204,5 @@ rule archive:
         ENV_CPU
     shell:
         "{params.memopd} report archive --cfg {params.cfg:q} --reward {params.reward} --claims {params.claims:q} "
+        "--chain {params.chain:q} "
         "--eval-dir results/eval --train-dir results/train --out results/archive > {log} 2>&1"

@@ -2,12 +2,13 @@
 (scalar scores, and per-task EM/F1 of every evaluation) and every run's per-step training metrics (the matched
 control's runs too), with the config, label and commit they came from. Tables 1-2, vs_student, the matched control and the training-curve table rebuild from it alone
 (`memopd report from-archive`), without rerunning anything; so does the claims table when the run declares its
-claims (config `claims`, kept in the manifest).
+claims (config `claims`, kept in the manifest), and the SFT chain's table when the run chose its student along
+the chain (`chain`: its models, teacher and evaluations, kept in the manifest with those evaluations).
 
 Layout (the results/ layout, so the report commands read it unchanged):
     archive.json                                  manifest: format, commit, created, the `train` config, the reward,
-                                                  the run's label (captions), its `claims` (or null), every file with
-                                                  its SHA-256
+                                                  the run's label (captions), its `claims` and `chain` (or null),
+                                                  every file with its SHA-256
     eval/{model}/{benchmark}.json                 the evaluation's scalar scores (its nested config and timings left out)
     eval/{model}/{benchmark}.csv                  per task: task_id, em, f1
     train/{method}/seed{seed}/metrics.jsonl.gz    every logged step, line for line (gzip without a timestamp)
@@ -81,14 +82,25 @@ def _copy_tasks(src: Path, dst: Path) -> None:
         w.writerows(rows)
 
 
+def chain_evals(chain: dict | None) -> list[tuple[str, str]]:
+    """The evaluations the SFT chain's table reads: every model of the chain on its three, the teacher on two."""
+    if not chain:
+        return []
+    b = chain["benchmarks"]
+    return ([(m, x) for m in chain["models"] for x in (b["reward"], b["short"], b["long"])]
+            + [(chain["teacher"], b["short"]), (chain["teacher"], b["long"])])
+
+
 def write_archive(train: dict, reward: str, eval_dir: str | Path, train_dir: str | Path, out: str | Path,
-                  commit: str, label: str = "", claims: dict | None = None) -> dict:
+                  commit: str, label: str = "", claims: dict | None = None, chain: dict | None = None) -> dict:
     """Copy what `contents(train)` names from `eval_dir` / `train_dir` into `out` (replacing its eval/ and train/)
     and write its manifest (last, so an interrupted archive has none). A missing file is named before anything is
     written. `label`: the run's label, which prefixes its captions (memopd.outputs.LABEL_VAR); `claims`: the config
-    section the claims table reads (its short and long horizons among train.horizons, so archived)."""
+    section the claims table reads (its short and long horizons among train.horizons, so archived); `chain`: what the
+    SFT chain's table reads (memopd.study.commands.chain_config), its evaluations archived too."""
     eval_dir, train_dir, out = Path(eval_dir), Path(train_dir), Path(out)
     evals, runs = contents(train)
+    evals = list(dict.fromkeys(evals + chain_evals(chain)))
     if claims and (outside := [claims[k] for k in ("short", "long") if claims[k] not in train["horizons"]]):
         raise ConfigError(f"claims: {outside[0]!r} is not a horizon of train.horizons, so not archived")
     sources = [eval_dir / m / f"{b}{ext}" for m, b in evals for ext in (".json", ".csv")]
@@ -118,7 +130,7 @@ def write_archive(train: dict, reward: str, eval_dir: str | Path, train_dir: str
         files.append(d / "metrics.jsonl.gz")
     files.sort()
     manifest = {"format": FORMAT, "commit": commit, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds"), "train": train, "reward": reward, "label": label, "claims": claims,
+                timespec="seconds"), "train": train, "reward": reward, "label": label, "claims": claims, "chain": chain,
                 "files": {str(p.relative_to(out)): _sha256(p) for p in files}}
     write_json(out / MANIFEST, manifest)
     return manifest

@@ -122,13 +122,14 @@ def cmd_report_archive(args, cfg):
 
     require(cfg, *RESULTS_KEYS, "benchmark")
     m = write_archive(cfg, args.reward, args.eval_dir, args.train_dir, args.out, git_commit(Path(__file__).parent),
-                      os.environ.get(LABEL_VAR, ""), parse_cfg(args.claims) or None)
+                      os.environ.get(LABEL_VAR, ""), parse_cfg(args.claims) or None, parse_cfg(args.chain) or None)
     print(f"{len(m['files'])} files, commit {m['commit']} -> {args.out}")
 
 
 def cmd_report_from_archive(args, cfg):
-    """Tables 1-2, vs_student, the F1-vs-horizon figure, the matched control, the training-curve table and (when the
-    run declared its claims) the claims table from an archive alone (its files checked against their SHA-256
+    """Tables 1-2, vs_student, the F1-vs-horizon figure, the matched control, the training-curve table, the claims
+    table (when the run declared its claims) and the SFT chain's (when it chose its student on the chain) from an
+    archive alone (its files checked against their SHA-256
     first), captioned with the run's label."""
     import os
 
@@ -149,6 +150,10 @@ def cmd_report_from_archive(args, cfg):
             from memopd.study.commands import claims_table
 
             claims_table({"train": train, "claims": manifest["claims"]}, eval_dir, out / "tables" / "claims.csv")
+        if manifest.get("chain"):
+            from memopd.study.commands import chain_table
+
+            chain_table(manifest["chain"], eval_dir, out / "tables" / "sft_chain.json")
     finally:
         if before is None:
             os.environ.pop(LABEL_VAR, None)
@@ -173,6 +178,8 @@ def register(cli) -> None:
     sp.add_argument("--reward", required=True, help="the score the runs were trained on (agent.reward: em, f1)")
     sp.add_argument("--out", default="results/archive", help="the archive's folder (archive.json: its manifest)")
     sp.add_argument("--claims", default="{}", help="JSON of config `claims` (the claims table's), kept in the manifest")
+    sp.add_argument("--chain", default="{}", help="JSON of the SFT chain's table (models, teacher, benchmarks): its "
+                    "evaluations archived, the JSON kept in the manifest")
     sp = cli.add("report from-archive", cmd_report_from_archive, "Tables 1-2, vs_student, the matched control and "
                  "the training-curve table from an archive alone (written by `report archive`)")
     sp.add_argument("--archive", required=True, help="the archive's folder")

@@ -14,7 +14,7 @@ the study then runs without the horizon claim among its primaries. With none pas
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REWARD_MIN = 0.03  # sampled EM: about one answer in 16 tasks of two questions, a step of RL
@@ -61,6 +61,12 @@ def chain_models(sft: dict) -> list[str]:
     if sft["teacher"].get("init") != "student_sft":
         return student
     return student + [f"teacher_sft_s{s}" for s in sft["teacher"].get("snapshots", [])]
+
+
+def chain_config(sft: dict, teacher: str = "teacher_sft", b: Benchmarks = Benchmarks()) -> dict:
+    """What the chain's table reads, as `memopd study chain` and the archive take it: the chain's models in order
+    (the `sft` section), the final teacher and the three evaluations."""
+    return {"models": chain_models(sft), "teacher": teacher, "benchmarks": asdict(b)}
 
 
 def scores(path: Path, metric: str) -> tuple[dict, dict[str, float]]:

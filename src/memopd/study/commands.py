@@ -12,20 +12,27 @@ from memopd.outputs import write_json
 def cmd_study_chain(args, cfg):
     """Design D's choice of the RL student along the SFT chain (memopd.study.chain), from the evaluations under
     --eval-dir; prints every condition of every snapshot and writes them with the choice to --out (JSON)."""
-    from memopd.study.chain import Benchmarks, chain_models, check, report_lines
+    from memopd.study.chain import Benchmarks, chain_config
 
     require(cfg, "student", "teacher")
     existing(args.eval_dir)
-    models = chain_models(cfg)
-    choice = check(Path(args.eval_dir), models, args.teacher, Benchmarks(args.reward, args.short, args.long))
+    chain_table(chain_config(cfg, args.teacher, Benchmarks(args.reward, args.short, args.long)), args.eval_dir, args.out)
+
+
+def chain_table(chain: dict, eval_dir: str | Path, out: str | Path) -> None:
+    """sft_chain.json and .txt (every condition of every snapshot and the choice) from the evaluations."""
+    from memopd.study.chain import Benchmarks, check, report_lines
+
+    b = Benchmarks(**chain["benchmarks"])
+    choice = check(Path(eval_dir), chain["models"], chain["teacher"], b)
     lines = report_lines(choice)
     print("\n".join(lines))
-    write_json(args.out, {"chosen": choice.model, "branch": choice.branch, "teacher": args.teacher,
-                          "benchmarks": asdict(Benchmarks(args.reward, args.short, args.long)),
-                          "candidates": [{"model": c.model, "passes": c.passes, "passes_fallback": c.passes_fallback,
-                                          "conditions": {k: asdict(x) for k, x in c.conditions.items()}}
-                                         for c in choice.candidates]})
-    Path(args.out).with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    write_json(out, {"chosen": choice.model, "branch": choice.branch, "teacher": chain["teacher"],
+                     "benchmarks": asdict(b),
+                     "candidates": [{"model": c.model, "passes": c.passes, "passes_fallback": c.passes_fallback,
+                                     "conditions": {k: asdict(x) for k, x in c.conditions.items()}}
+                                    for c in choice.candidates]})
+    Path(out).with_suffix(".txt").write_text("\n".join(lines) + "\n")
 
 
 def cmd_study_claims(args, cfg):
