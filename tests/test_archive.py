@@ -96,7 +96,7 @@ def test_tables_rebuilt_from_the_archive_alone_are_the_runs_tables(archived, mon
     assert (tmp / "rebuilt/figures/training_curves.png").stat().st_size > 0
 
 
-def test_the_claims_table_rebuilt_from_the_archive_is_the_runs(tmp_path):
+def test_the_claims_table_rebuilt_from_the_archive_is_the_runs(tmp_path, capsys):
     """A run that declares its claims: the archive keeps them, and the claims table rebuilt from it alone is the one
     built from the run's evaluations, byte for byte; claims on a benchmark the archive does not keep are refused."""
     claims = {"primary": ["1a", "3"], "short": "q2_test", "long": "wikirag_test"}
@@ -109,6 +109,9 @@ def test_the_claims_table_rebuilt_from_the_archive_is_the_runs(tmp_path):
             str(tmp_path / "archive")]
     with pytest.raises(SystemExit):
         main([*args, "--claims", json.dumps({**claims, "long": "q8_test"})])
+    with pytest.raises(SystemExit):
+        main([*args, "--claims", "{bad"])
+    assert "--claims is not valid JSON" in capsys.readouterr().err
     main([*args, "--claims", json.dumps(claims)])
     assert read_archive(tmp_path / "archive")["claims"] == claims
     shutil.rmtree(tmp_path / "results")

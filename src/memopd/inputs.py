@@ -45,14 +45,14 @@ def existing(*paths) -> None:
             raise FileNotFoundError(errno.ENOENT, "no such file", str(p))
 
 
-def parse_cfg(text: str) -> dict:
-    """The --cfg JSON of a command: an object."""
+def parse_cfg(text: str, flag: str = "--cfg") -> dict:
+    """The JSON object a command's `flag` (--cfg, or another JSON option) holds."""
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--cfg is not valid JSON: {e}") from None
+        raise ConfigError(f"{flag} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
-        raise ConfigError(f"--cfg must be a JSON object, not a {type(cfg).__name__}")
+        raise ConfigError(f"{flag} must be a JSON object, not a {type(cfg).__name__}")
     return cfg
 
 

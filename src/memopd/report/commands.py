@@ -122,7 +122,8 @@ def cmd_report_archive(args, cfg):
 
     require(cfg, *RESULTS_KEYS, "benchmark")
     m = write_archive(cfg, args.reward, args.eval_dir, args.train_dir, args.out, git_commit(Path(__file__).parent),
-                      os.environ.get(LABEL_VAR, ""), parse_cfg(args.claims) or None, parse_cfg(args.chain) or None)
+                      os.environ.get(LABEL_VAR, ""), parse_cfg(args.claims, "--claims") or None,
+                      parse_cfg(args.chain, "--chain") or None)
     print(f"{len(m['files'])} files, commit {m['commit']} -> {args.out}")
 
 
