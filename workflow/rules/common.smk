@@ -44,7 +44,7 @@ try:
     from memopd.report.archive import chain_evals
     from memopd.report.archive import contents as archive_contents
     from memopd.schema import merge_files
-    from memopd.study.chain import chain_config, chain_models
+    from memopd.study.chain import chain_config
 finally:
     sys.path.remove(SRC)
 COMMANDS = command_targets(Path(SRC))  # "audit alignment" -> "memopd.audit.commands:cmd_audit_alignment"

@@ -258,16 +258,12 @@ rule sft_summary:
 # Design D of the controlled study (memopd.study.chain): the RL student chosen along the SFT chain's snapshots
 SFT_SNAPSHOTS = any(config["sft"][r].get("snapshots") for r in ("student", "teacher"))
 CHAIN = chain_config(config["sft"]) if SFT_SNAPSHOTS else {}  # what its table reads (and rule archive keeps)
-CHAIN_BENCHMARKS = chain_config(config["sft"])["benchmarks"]
 
 if SFT_SNAPSHOTS:
 
     rule sft_chain:
         input:
-            chain=lambda w: expand("results/eval/{model}/{benchmark}.json", model=chain_models(config["sft"]),
-                                   benchmark=list(CHAIN_BENCHMARKS.values())),
-            teacher=expand("results/eval/teacher_sft/{benchmark}.json",
-                           benchmark=[CHAIN_BENCHMARKS["short"], CHAIN_BENCHMARKS["long"]]),
+            evals=[f"results/eval/{model}/{bench}.json" for model, bench in chain_evals(CHAIN)],
         output:
             json="results/tables/sft_chain.json",
             txt="results/tables/sft_chain.txt",
@@ -275,7 +271,7 @@ if SFT_SNAPSHOTS:
             code=code("study chain"),
             memopd=MEMOPD,
             cfg=cfg_json("sft"),
-            bench=" ".join(f"--{k} {v}" for k, v in CHAIN_BENCHMARKS.items()),
+            bench=" ".join(f"--{k} {v}" for k, v in CHAIN["benchmarks"].items()),
         log:
             f"{LOGS}/sft_chain.log",
         benchmark:
