@@ -1,5 +1,6 @@
 """The training run: real rollouts of a protocol-speaking tiny student, exact packed updates, resume."""
 import json
+import os
 import re
 import statistics
 
@@ -62,6 +63,14 @@ def test_resume_refuses_another_runs_checkpoint_and_keeps_every_step_once(setup,
         _run((d, changed), out)
     with pytest.raises(ResumeMismatch, match=r"method: 'memopd' -> 'ppo'"):
         _run((d, cfg), out, method="ppo")
+    weights = d / "student" / "model.safetensors"  # a student rebuilt upstream is another input
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    try:
+        with pytest.raises(ResumeMismatch, match=r"student\.files\.model\.safetensors"):
+            _run((d, cfg), out)
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
     resumed = _run((d, cfg), out)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1] and [m["step"] for m in resumed] == [1]
