@@ -227,7 +227,7 @@ def test_flattened_eval_changes_only_the_view_and_resolves_per_benchmark_setting
     import yaml
 
     fe = _load("flattened_eval")
-    cfg = yaml.safe_load((ROOT / "config/study.yaml").read_text())
+    cfg = yaml.safe_load((ROOT / "config/study/base.yaml").read_text())
     got = json.loads(fe.eval_cfg(cfg, "q8_test"))
     assert got["agent"] == {**cfg["agent"], "view": "persistent"} and cfg["agent"]["rule"] == "summary_replacement"
     assert json.loads(fe.eval_cfg(cfg, "q8_test", "exact", "full_retention"))["agent"] == {

@@ -178,7 +178,7 @@ def test_every_output_of_rule_study_is_written_by_the_nested_workflow(tmp_path):
     declared = {p.removeprefix("results/study/") for p in _dry_run_blocks(outer.stdout)["study"][0]["output"].split(", ")}
     assert {"results/tables/matched_control.md", "results/figures/training_curves.png"} <= declared
     nested = snakemake("-n", "--forceall", "-d", str(tmp_path), *sorted(declared),
-                       "--configfile", str(ROOT / "config/study.yaml"), str(ROOT / "config/study_smoke.yaml"))
+                       "--configfile", str(ROOT / "config/study/base.yaml"), str(ROOT / "config/study/smoke.yaml"))
     jobs = [b for blocks in _dry_run_blocks(nested.stdout).values() for b in blocks]
     outputs = [{p for p in b.get("output", "").split(", ") if p} for b in jobs]
     assert declared <= set().union(*outputs), (sorted(declared - set().union(*outputs)), nested.stderr[-3000:])
@@ -194,7 +194,7 @@ def test_the_documented_study_command_gives_the_nested_workflow_both_cores():
     """docs/study.md's command runs the study as one job of the default config: its nested workflow must get the
     cores of `-c 2` (the training runs go two side by side) and a SLURM time limit of hours, not the default's."""
     res = snakemake("-n", "-p", "--forceall", "-c", "2", "results/study/results/tables/matched_control.csv",
-                    "--config", "study={configs: [config/study.yaml]}")
+                    "--config", "study={configs: [config/study/base.yaml]}")
     assert res.returncode == 0, res.stderr[-3000:]
     job = _dry_run_blocks(res.stdout)["study"][0]
     assert "cpus_per_task=2" in job["resources"] and "runtime=480" in job["resources"], job
@@ -208,12 +208,12 @@ def _evaluated(dry_run_stdout):
 
 
 def test_a_layered_config_drops_a_horizon_by_null(tmp_path):
-    """config/study_smoke.yaml sets the study's Q8/Q16 horizons to null: Snakemake merges the mapping key by key, so
+    """config/study/smoke.yaml sets the study's Q8/Q16 horizons to null: Snakemake merges the mapping key by key, so
     null is the only way a layered file removes one. The trained runs are then evaluated on Q2 and Wiki-RAG only."""
-    base = ("--configfile", str(ROOT / "config/study.yaml"))
+    base = ("--configfile", str(ROOT / "config/study/base.yaml"))
     full = snakemake("-n", "--forceall", "-d", str(tmp_path / "full"), "results/tables/multiobjective.csv", *base)
     small = snakemake("-n", "--forceall", "-d", str(tmp_path / "small"), "results/tables/multiobjective.csv",
-                      *base, str(ROOT / "config/study_smoke.yaml"))
+                      *base, str(ROOT / "config/study/smoke.yaml"))
     assert full.returncode == 0 and small.returncode == 0, full.stderr[-2000:] + small.stderr[-2000:]
     assert ("ppo_seed0", "q8_test.json") in _evaluated(full.stdout)
     assert {b for _, b in _evaluated(small.stdout)} == {"q2_test.json", "wikirag_test.json"}
@@ -286,12 +286,12 @@ def _test_study_dry_run(tmp_path, names: tuple[str, ...], steps: int) -> str:
 
 
 def test_the_second_editions_stack_trains_thirty_runs_at_their_fixed_settings(tmp_path):
-    """config/study_second_edition.yaml over the Design B H = 2 stack: 30 runs of 150 steps."""
+    """config/study/second_edition.yaml over the Design B H = 2 stack: 30 runs of 150 steps."""
     _test_study_dry_run(tmp_path, ("study", "study_design_b", "study_design_b_h2", "study_second_edition"), 150)
 
 
 def test_design_cs_test_stack_trains_thirty_runs_of_fifty_steps_and_evaluates_q8_on_a_hundred_tasks(tmp_path):
-    """config/study_design_c_test.yaml over Design C's stack: 30 runs of 50 steps after the SFT on the 1-8 question
+    """config/study/design_c_test.yaml over Design C's stack: 30 runs of 50 steps after the SFT on the 1-8 question
     curriculum, Q4 and Q8 on 100 test tasks each."""
     out = _test_study_dry_run(tmp_path, ("study", "study_design_b", "study_design_c", "study_design_c_test"), 50)
     sets = _job_cfg(out, "benchmarks")[0]["qn"]["sets"]
@@ -300,10 +300,10 @@ def test_design_cs_test_stack_trains_thirty_runs_of_fifty_steps_and_evaluates_q8
 
 
 def test_design_cs_dev_stack_trains_the_eight_question_curriculum_four_times_longer(tmp_path):
-    """config/study_design_c.yaml over config/study.yaml and config/study_design_b.yaml (docs/study.md, Design C): the
+    """config/study/design_c.yaml over config/study/base.yaml and config/study/design_b.yaml (docs/study.md, Design C): the
     scripted teacher writes trajectories for 1-8 questions with a turn budget of n + 4 and 2 passages per search, the
     student's SFT runs 12,000 steps and the teacher's 9,600 at seq_len 2,560."""
-    stack = [str(ROOT / f"config/{name}.yaml") for name in ("study", "study_design_b", "study_design_c", "study_dev")]
+    stack = [str(ROOT / f"config/{name}.yaml") for name in ("study/base", "study/design_b", "study/design_c", "study/dev")]
     res = snakemake("-n", "-p", "--forceall", "-d", str(tmp_path), "results/tables/sft_summary.csv",
                     "--configfile", *stack)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

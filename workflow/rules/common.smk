@@ -11,7 +11,7 @@ from snakemake.utils import validate
 
 validate(config, schema="../schemas/config.schema.yaml")
 # A horizon set to null is not evaluated: Snakemake merges config files mapping by mapping, so a file layered over
-# another (config/study_smoke.yaml over config/study.yaml) can only remove a horizon this way.
+# another (config/study/smoke.yaml over config/study/base.yaml) can only remove a horizon this way.
 config["train"]["horizons"] = {b: h for b, h in config["train"]["horizons"].items() if h is not None}
 if not config["train"]["horizons"]:
     raise ValueError("config train.horizons: every horizon is null; at least one benchmark must be evaluated")

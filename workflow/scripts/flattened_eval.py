@@ -5,7 +5,7 @@ episode's exact states and responses so far: the packing compiler's persistent l
 command as rule eval. `--rule` also replaces the memory rule (e.g. full_retention, every earlier output and
 observation kept). Compare with results/eval/MODEL/BENCHMARK.json, the same model on its own exact states.
 
-    python workflow/scripts/flattened_eval.py --configfile config/study.yaml --results results/study/results \
+    python workflow/scripts/flattened_eval.py --configfile config/study/base.yaml --results results/study/results \
         --model teacher_sft --benchmark q2_test --out-dir /tmp/flattened
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ on dev tasks and a dev seed, then prints the rule's verdicts (`memopd study tuni
     # one directory per grid point, each a copy of the dev run's results (its models and data, nothing rerun but
     # the run's training and evaluation), run two at a time:
     python workflow/scripts/tuning.py run --dev results/study_dev --out results/tuning \
-        --configfile config/study.yaml config/study_design_a.yaml config/study_dev.yaml
+        --configfile config/study/base.yaml config/study/design_a.yaml config/study/dev.yaml
     python workflow/scripts/tuning.py check --dev results/study_dev --out results/tuning
     # the third edition's rule T: its grid, its dev tasks and the student rule D chose
     python workflow/scripts/tuning.py run --rule third --benchmark q2_dev --student STUDENT ...
