@@ -3,12 +3,26 @@
 # live in workflow/rules/.
 
 
-# The embedded default applies only when no config file is given: Snakemake would otherwise deep-merge
-# a --configfile (config/paper.yaml) into it, mixing the two scales. Jobs on a cluster receive the same
-# --configfiles, so they make the same choice.
+# The embedded default when no config file is given; a scale overlay (config/small.yaml, paper.yaml, smoke.yaml)
+# names it as its base and states only what it changes. Jobs on a cluster receive the same --configfiles, so
+# they build the same config.
 if not workflow.overwrite_configfiles:
 
     configfile: "config/config.yaml"
+
+else:
+    # A layer names its base and the keys it drops (config/README.md), which Snakemake's own merge ignores: the
+    # config is rebuilt from the files as `memopd plan --config` builds it, then --config over it as Snakemake does.
+    import os as _os
+    import sys as _sys
+
+    _sys.path.insert(0, _os.path.join(workflow.basedir, "src"))
+    from memopd.schema import merge as _merge, merge_files as _merge_files
+
+    _sys.path.pop(0)
+    _layered = _merge(_merge_files(workflow.overwrite_configfiles), dict(workflow.config_settings.config))
+    config.clear()
+    config.update(_layered)
 
 
 # `snakemake --report results/report.html` (after a run): every table and figure, with captions and

@@ -14,6 +14,7 @@ from memopd.evaluation.evaluate import aggregate
 from memopd.agent.protocol import load_tasks
 from memopd.cli import main
 from memopd.records import load_episodes
+from memopd.schema import merge_files
 
 CONTRACT = {"episodes", "em", "f1", "peak_context_tokens", "inference_time_s", "dependency", "calls_per_episode",
             "invalid_action_rate"}
@@ -101,7 +102,7 @@ def test_evaluation_uses_the_training_rollout_budget_unless_the_config_says_othe
 
     from agent_support import ROOT
 
-    paper = yaml.safe_load((ROOT / "config/paper.yaml").read_text())
+    paper = merge_files([ROOT / "config/paper.yaml"])
     assert set(_budgets(paper).values()) == {paper["rollout"]["max_new_tokens"]} == {1024}
     override = {**paper, "eval": {**paper["eval"], "max_new_tokens": {"default": None, "q8_test": 320}}}
     assert _budgets(override) == {"q2_test": 1024, "q8_test": 320, "q16_test": 1024, "wikirag_test": 1024}
@@ -194,13 +195,11 @@ def test_result_tables_put_the_sft_student_and_teacher_above_the_methods(tmp_pat
 
 @pytest.mark.parametrize("cfg_file", ["config/config.yaml", "config/paper.yaml"])
 def test_config_sections_build(cfg_file):
-    import yaml
-
     from agent_support import ROOT
     from memopd.config import AgentConfig, RolloutConfig, rollout_config
     from memopd.generation.backends import make_sampling
 
-    cfg = yaml.safe_load((ROOT / cfg_file).read_text())
+    cfg = merge_files([ROOT / cfg_file])
     agent = AgentConfig.from_dict(cfg["agent"], batch_size=cfg["rollout"]["batch_size"])
     assert agent.max_turns("q16_test") > agent.max_turns("q8_test") > agent.max_turns("q2_test")
     ro = rollout_config(cfg)

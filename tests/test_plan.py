@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from memopd.schema import merge_files
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER, EMBEDDED = REPO / "config/paper.yaml", REPO / "config/config.yaml"
@@ -464,7 +465,7 @@ def test_workflow_refuses_before_any_job_and_dry_runs_still_work(tmp_path):
     dry = snakemake(wd, "--configfile", "config/paper.yaml", "-n", "all")
     assert "rule plan:" in dry.stdout + dry.stderr
     # config/paper.yaml with the index build's memory deliberately too small
-    cfg = yaml.safe_load((wd / "config/paper.yaml").read_text())
+    cfg = merge_files([wd / "config/paper.yaml"])
     cfg["resources"]["rules"]["retrieval_index"]["mem_mb"] = 2000
     (wd / "config/undersized.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     r = snakemake(wd, "--configfile", "config/undersized.yaml", "-c", "1", "results/tables/retrieval_recall.csv",

@@ -16,8 +16,9 @@ import yaml
 from memopd import cli
 from memopd.prefetch import hub_repos, localize, snapshot_dir
 from workflow_helpers import REPO, snakemake, workflow_copy
+from memopd.schema import merge_files
 
-PAPER = yaml.safe_load((REPO / "config" / "paper.yaml").read_text())
+PAPER = merge_files([REPO / "config" / "paper.yaml"])
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
 # what the paper config names today (models, e5 encoder, LLM teacher, benchmark data sets, corpus file)
 HUB = {("model", "Qwen/Qwen2.5-3B-Instruct"), ("model", "Qwen/Qwen2.5-7B-Instruct"), ("model", "intfloat/e5-base-v2"),

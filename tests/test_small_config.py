@@ -5,15 +5,15 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 
 from agent_support import ROOT
+from memopd.schema import merge_files
 
 SMALL, EMBEDDED = ROOT / "config/small.yaml", ROOT / "config/config.yaml"
 
 
 def _load(path):
-    return yaml.safe_load(path.read_text())
+    return merge_files([path])  # a scale overlay over its base, as the workflow layers it
 
 
 def test_small_config_is_the_embedded_default_scaled_up():

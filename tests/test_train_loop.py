@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from agent_support import ROOT, nq_tasks, protocol_student, random_student, retriever, tokenizer, training_dir
 from memopd.report.results import table_rows
 from memopd.train.loop import task_order, train_run
+from memopd.schema import merge_files
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +125,7 @@ def test_a_finished_run_deletes_its_checkpoint_unless_kept(setup, tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "cut/metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1]
     for name in ("config.yaml", "paper.yaml"):
-        assert yaml.safe_load((ROOT / "config" / name).read_text())["train"]["keep_checkpoint"] is False
+        assert merge_files([ROOT / "config" / name])["train"]["keep_checkpoint"] is False
 
 
 def test_a_failure_after_the_last_step_loses_no_step(setup, tmp_path, monkeypatch, capsys):
@@ -387,7 +388,7 @@ def test_cli_train_gives_each_rank_its_share_of_the_threads(setup, tmp_path, mon
 def test_the_rce_guard_tolerance_follows_the_training_dtype():
     from memopd.train.config import RunConfig
 
-    paper = yaml.safe_load((ROOT / "config/paper.yaml").read_text())["train"]
+    paper = merge_files([ROOT / "config/paper.yaml"])["train"]
     assert RunConfig.from_section(paper, "memopd", 0).ppo.dtype == "bfloat16" == paper["dtype"]
     least = {"steps": 1, "batch_tasks": 1, "lr_actor": 1e-5, "lr_critic": 1e-4, "ppo": {}}
     assert RunConfig.from_section(least, "ppo", 0).ppo.dtype == "float32"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from memopd.schema import merge_files
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -110,7 +111,7 @@ def test_all_includes_the_matched_control_and_reuses_the_main_runs():
     assert "matched_control" not in tables["output"]
     cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())["train"]
     assert cfg["matched_control"]["seeds"] == cfg["seeds"]
-    paper = yaml.safe_load((ROOT / "config/paper.yaml").read_text())["train"]
+    paper = merge_files([ROOT / "config/paper.yaml"])["train"]
     assert set(paper["matched_control"]["seeds"]) <= set(paper["seeds"])  # paper scale reuses its runs
 
 
@@ -287,13 +288,13 @@ def _test_study_dry_run(tmp_path, names: tuple[str, ...], steps: int) -> str:
 
 def test_the_second_editions_stack_trains_thirty_runs_at_their_fixed_settings(tmp_path):
     """config/study/second_edition.yaml over the Design B H = 2 stack: 30 runs of 150 steps."""
-    _test_study_dry_run(tmp_path, ("study", "study_design_b", "study_design_b_h2", "study_second_edition"), 150)
+    _test_study_dry_run(tmp_path, ("study/base", "study/design_b", "study/design_b_h2", "study/second_edition"), 150)
 
 
 def test_design_cs_test_stack_trains_thirty_runs_of_fifty_steps_and_evaluates_q8_on_a_hundred_tasks(tmp_path):
     """config/study/design_c_test.yaml over Design C's stack: 30 runs of 50 steps after the SFT on the 1-8 question
     curriculum, Q4 and Q8 on 100 test tasks each."""
-    out = _test_study_dry_run(tmp_path, ("study", "study_design_b", "study_design_c", "study_design_c_test"), 50)
+    out = _test_study_dry_run(tmp_path, ("study/base", "study/design_b", "study/design_c", "study/design_c_test"), 50)
     sets = _job_cfg(out, "benchmarks")[0]["qn"]["sets"]
     assert {s["n"]: s["tasks"] for s in sets if s["split"] == "test"} == {2: 200, 4: 100, 8: 100, 16: 25}
     assert sorted(s["n"] for s in sets if s["split"] == "train") == list(range(1, 9))

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from workflow_helpers import REPO, dry_run_jobs, rule_kinds, snakemake, workflow_copy
+from memopd.schema import merge_files
 
 # Jobs of `all` per rule. Paper scale: pretrained models bring their tokenizer, so no tokenizer job.
 # A rule added to the DAG gets its count here (the resource checks below already cover it).
@@ -106,7 +107,7 @@ def test_the_profile_retries_failed_jobs():
 def test_paper_jobs_fit_a_24_hour_partition():
     """Many GPU partitions cap jobs at 24 h; a longer request is rejected or pends forever. Training longer than
     that goes on through resume when the profile resubmits it."""
-    paper = yaml.safe_load((REPO / "config" / "paper.yaml").read_text())["resources"]
+    paper = merge_files([REPO / "config" / "paper.yaml"])["resources"]
     runtimes = {"default": paper["default"]["runtime"], **{r: v["runtime"] for r, v in paper["rules"].items()
                                                              if "runtime" in v}}
     assert max(runtimes.values()) <= 24 * 60, runtimes
@@ -161,8 +162,9 @@ def test_site_file_reaches_every_job(tmp_path):
 
 def test_torchrun_launcher(tmp_path):
     """launcher(): torchrun with one worker per GPU inside the single task of a multi-GPU job."""
+    (tmp_path / "paper.yaml").write_text(yaml.safe_dump(merge_files([REPO / "config/paper.yaml"])))  # with its base
     (tmp_path / "Snakefile").write_text(f"""
-configfile: "{REPO}/config/paper.yaml"
+configfile: "{tmp_path}/paper.yaml"
 include: "{REPO}/workflow/rules/common.smk"
 
 rule multi:

@@ -16,7 +16,7 @@ import sys
 # lengths. A value the environment already sets wins.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-from memopd import commands, prefetch
+from memopd import commands
 from memopd.audit import commands as audit
 from memopd.data import commands as data
 from memopd.data.loaders import DataConfigError, DataFormatError
@@ -31,7 +31,7 @@ from memopd.study import commands as study
 from memopd.train import commands as train
 
 REGISTERS = (commands.register, evaluation.register, generation.register, train.register, report.register, sft.register, audit.register,
-             data.register, retrieval.register, plan.register, prefetch.register, study.register)
+             data.register, retrieval.register, plan.register, study.register)
 GROUPS = {"model": "model checkpoints",
           "report": "tables and figures",
           "sft": "SFT stage: trajectories, examples, training",

@@ -1,9 +1,8 @@
-"""The commands of the top-level modules: `memopd tokenizer`, `model init`, `model base` (models), `rce` (rce)
-and `tracking init` (tracking)."""
+"""The commands of the top-level modules: `memopd tokenizer`, `model init`, `model base` (models), `rce` (rce),
+`prefetch` (prefetch) and `tracking init` (tracking)."""
 from __future__ import annotations
 
 import itertools
-import json
 import random
 import sys
 from pathlib import Path
@@ -148,6 +147,32 @@ def cmd_ledger_write(args, cfg):
     print(f"{len(episodes)} episodes of {args.episodes} -> {args.out}")
 
 
+def cmd_prefetch(args, cfg):
+    """`memopd prefetch`: --cfg {home, repos} (what the workflow's rule passes), or --config FILE (by hand, e.g.
+    `memopd prefetch --config config/paper.yaml` on a login node before submitting anything)."""
+    from memopd.inputs import ConfigError, section
+    from memopd.prefetch import hub_repos, prefetch
+
+    if args.config:
+        from memopd.schema import merge_files
+
+        full = merge_files([args.config])  # a layer with its base (config/README.md)
+        if not full.get("hub"):
+            raise ConfigError(f"{args.config} has no hub section: nothing to prefetch")
+        section(full, "models")
+        section(full, "retrieval", "corpus")
+        section(full, "benchmarks", "sources")
+        try:
+            cfg = {"home": section(full, "hub", "home")["home"], "repos": hub_repos(full)}
+        except ValueError as e:  # a repository without a pinned commit
+            raise ConfigError(str(e)) from None
+    require(cfg, "home", "repos")
+    try:
+        prefetch(cfg["home"], cfg["repos"], args.out)
+    except ValueError as e:  # a revision that is not a commit, a repository name the hub refuses
+        raise ConfigError(str(e)) from None
+
+
 def register(cli) -> None:
     sp = cli.add("tokenizer", cmd_tokenizer, "train the offline byte-level BPE tokenizer on data/")
     sp.add_argument("--data-dir", default="data")
@@ -182,3 +207,8 @@ def register(cli) -> None:
                  "send what jobs could not send to the MLflow store into the same runs (their spools)")
     sp.add_argument("--spool", nargs="+", required=True, help="spool files (*.jsonl) or directories holding them "
                     "(tracking.spool, default results/tracking/spool)")
+
+    sp = cli.add("prefetch", cmd_prefetch, "download every hub repository of the config at its pinned revision into "
+                 "the cache hub.home; write a manifest")
+    sp.add_argument("--config", help="config YAML (e.g. config/paper.yaml); --cfg {home, repos} otherwise")
+    sp.add_argument("--out", default="results/prefetch/manifest.json")

@@ -174,35 +174,3 @@ def prefetch(home: str | Path, repos: list[dict], out: str | Path) -> dict:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     write_text(out, json.dumps(manifest, indent=2, sort_keys=True))
     return manifest
-
-
-def cmd_prefetch(args, cfg):
-    """`memopd prefetch`: --cfg {home, repos} (what the workflow's rule passes), or --config FILE (by hand, e.g.
-    `memopd prefetch --config config/paper.yaml` on a login node before submitting anything)."""
-    from memopd.inputs import ConfigError, require, section
-
-    if args.config:
-        import yaml
-
-        full = yaml.safe_load(Path(args.config).read_text()) or {}
-        if not full.get("hub"):
-            raise ConfigError(f"{args.config} has no hub section: nothing to prefetch")
-        section(full, "models")
-        section(full, "retrieval", "corpus")
-        section(full, "benchmarks", "sources")
-        try:
-            cfg = {"home": section(full, "hub", "home")["home"], "repos": hub_repos(full)}
-        except ValueError as e:  # a repository without a pinned commit
-            raise ConfigError(str(e)) from None
-    require(cfg, "home", "repos")
-    try:
-        prefetch(cfg["home"], cfg["repos"], args.out)
-    except ValueError as e:  # a revision that is not a commit, a repository name the hub refuses
-        raise ConfigError(str(e)) from None
-
-
-def register(cli) -> None:
-    sp = cli.add("prefetch", cmd_prefetch, "download every hub repository of the config at its pinned revision into "
-                 "the cache hub.home; write a manifest")
-    sp.add_argument("--config", help="config YAML (e.g. config/paper.yaml); --cfg {home, repos} otherwise")
-    sp.add_argument("--out", default="results/prefetch/manifest.json")

@@ -31,15 +31,59 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def merge_files(paths) -> dict:
-    """Config files merged in order as Snakemake merges --configfile (later keys win, mappings merged deep)."""
-    def merge(a, b):
-        return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
-                        for k, v in b.items()}}
+LAYER_KEYS = ("base", "drop")  # a layer's directives (config/README.md), not config keys
 
-    cfg: dict = {}
+
+def merge(a: dict, b: dict) -> dict:
+    """`b` over `a` as Snakemake merges config files: later keys win, mappings merged deep, anything else whole."""
+    return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+                    for k, v in b.items()}}
+
+
+def drop(cfg: dict, spec, where: str) -> dict:
+    """`cfg` without the keys `spec` names: a list of keys, or a mapping from a key to the spec of its value. A key
+    that is not there is a UsageError naming `where` (a drop that removes nothing is a typo)."""
+    names = spec if isinstance(spec, list) else list(spec)
+    for name in names:
+        if not isinstance(cfg, dict) or name not in cfg:
+            raise UsageError(f"{where}: drop names {name!r}, which the layers below do not set")
+    out = dict(cfg)
+    for name in names:
+        inner = spec[name] if isinstance(spec, dict) else None
+        if inner is None:
+            del out[name]
+        else:
+            out[name] = drop(cfg[name], inner, f"{where}.{name}")
+    return out
+
+
+def layer_stack(paths) -> list[Path]:
+    """The files in merge order: each after its `base` (a path relative to the file, loaded once, before it)."""
+    stack: list[Path] = []
+
+    def add(path: Path, seen: tuple) -> None:
+        base = read_yaml(path).get("base")  # a missing file is named as given
+        if path.resolve() in seen:
+            raise UsageError(f"{path}: its base leads back to itself")
+        if base is not None:
+            add(path.parent / str(base), seen + (path.resolve(),))
+        if path.resolve() not in {p.resolve() for p in stack}:
+            stack.append(path)
+
     for p in paths:
-        cfg = merge(cfg, read_yaml(p))
+        add(Path(p), ())
+    return stack
+
+
+def merge_files(paths) -> dict:
+    """Config files merged in order as Snakemake merges --configfile (later keys win, mappings merged deep), each
+    layer over its `base` and without the keys its `drop` removes from the layers below (config/README.md)."""
+    cfg: dict = {}
+    for path in layer_stack(paths):
+        data = read_yaml(path)
+        if "drop" in data:
+            cfg = drop(cfg, data["drop"], f"{path}: drop")
+        cfg = merge(cfg, {k: v for k, v in data.items() if k not in LAYER_KEYS})
     return cfg
 
 
