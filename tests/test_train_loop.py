@@ -1,4 +1,5 @@
 """The training run: real rollouts of a protocol-speaking tiny student, exact packed updates, resume."""
+import copy
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from agent_support import ROOT, nq_tasks, protocol_student, random_student, retr
 from memopd.report.results import table_rows
 from memopd.train.loop import task_order, train_run
 from memopd.schema import merge_files
+from memopd.train.config import RunConfig
 
 
 @pytest.fixture(scope="module")
@@ -628,30 +630,48 @@ def test_training_checkpoints_activations_when_configured(setup, tmp_path, monke
                   log=lambda *a: None)
 
 
+def _identity(train: dict, method: str = "memopd") -> dict:
+    """The resume identity of seed 0 of `method` under this train section (the other sections held fixed)."""
+    from memopd.train.loop import training_identity
+
+    return training_identity({"train": train, "agent": {}, "rollout": {}},
+                             RunConfig.from_section(train, method, 0), method, 0)
+
+
+def _train(**changes) -> dict:
+    """The embedded default's train section with `changes` (train.ppo's merged key by key)."""
+    train = copy.deepcopy(merge_files([ROOT / "config" / "config.yaml"])["train"])
+    ppo = changes.pop("ppo", {})
+    return {**train, **changes, "ppo": {**train["ppo"], **ppo}}
+
+
 def test_activation_checkpointing_is_not_part_of_a_runs_identity():
     """Recomputing layers changes how a step runs, not what it computes: a checkpoint resumes with it toggled."""
-    from memopd.train.loop import training_identity as run_identity
-
-    cfg = {"train": {"lr_actor": 1e-5, "activation_checkpointing": False}, "agent": {}, "rollout": {}}
-    on = {**cfg, "train": {**cfg["train"], "activation_checkpointing": True}}
-    assert run_identity(cfg, "memopd", 0) == run_identity(on, "memopd", 0)
-    assert run_identity(cfg, "memopd", 0) != run_identity({**cfg, "train": {"lr_actor": 2e-5}}, "memopd", 0)
+    assert _identity(_train(activation_checkpointing=False)) == _identity(_train(activation_checkpointing=True))
+    assert _identity(_train(lr_actor=1e-5)) != _identity(_train(lr_actor=2e-5))
 
 
 def test_memory_settings_are_not_part_of_a_runs_identity():
     """The natural fix of an out-of-memory step (a smaller vLLM share, a smaller chunk of logit rows) keeps the
     checkpoint usable; a change of what the update computes (the PPO clip) does not."""
-    from memopd.train.loop import training_identity as run_identity
+    train = _train(vllm={"gpu_memory_utilization": 0.3, "sleep": True}, ppo={"clip": 0.2, "chunk_size": 512})
+    smaller = _train(vllm={"gpu_memory_utilization": 0.2, "sleep": True}, ppo={"clip": 0.2, "chunk_size": 128})
+    assert _identity(train) == _identity(smaller)
+    assert _identity(train) != _identity(_train(vllm=train["vllm"], ppo={"clip": 0.1, "chunk_size": 512}))
+    assert train["ppo"]["chunk_size"] == 512 and train["vllm"]["gpu_memory_utilization"] == 0.3  # left as it was
 
-    train = {"lr_actor": 1e-6, "vllm": {"gpu_memory_utilization": 0.3, "sleep": True},
-             "ppo": {"clip": 0.2, "chunk_size": 512}}
-    cfg = {"train": train, "agent": {}, "rollout": {}}
-    smaller = {**cfg, "train": {**train, "vllm": {"gpu_memory_utilization": 0.2, "sleep": True},
-                                "ppo": {"clip": 0.2, "chunk_size": 128}}}
-    assert run_identity(cfg, "memopd", 0) == run_identity(smaller, "memopd", 0)
-    clipped = {**cfg, "train": {**train, "ppo": {"clip": 0.1, "chunk_size": 512}}}
-    assert run_identity(cfg, "memopd", 0) != run_identity(clipped, "memopd", 0)
-    assert cfg["train"]["ppo"] == {"clip": 0.2, "chunk_size": 512}  # the config itself is left as it was
+
+def test_a_runs_identity_is_its_typed_section():
+    """A default written out or left out is the same run, and so is another method's own setting; the run's own
+    setting (train.per_method) is part of it."""
+    train = _train()
+    assert train["shard"] == "none" == RunConfig.__dataclass_fields__["shard"].default
+    assert _identity(train) == _identity({k: v for k, v in train.items() if k != "shard"})
+    other = _train(per_method={"ppo": {"lr_actor": 9e-9}})
+    assert _identity(train) == _identity(other)
+    assert _identity(train, "ppo") != _identity(other, "ppo")
+    own = _train(per_method={"memopd": {"ppo": {"opd_coef": 3.0}}})
+    assert _identity(train) != _identity(own)
 
 
 def test_a_training_run_prints_its_progress_with_the_time_left(setup, tmp_path, capsys):

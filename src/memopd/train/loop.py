@@ -44,7 +44,7 @@ import json
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -58,13 +58,13 @@ from memopd.train.config import RunConfig
 from memopd.train.update import ValueModel, ppo_update
 from memopd.vocab import check_model_dirs
 
-# train.* keys (dotted) that do not change what a step computes, so not part of a run's identity: the data order
-# of the first steps does not depend on train.steps (`task_order`), so a finished run can be extended; the vLLM
-# engine's settings (its GPU share, sleep mode) and the loss's chunk of logit rows change memory, not the
-# result (per-row log-softmax; chunk sums differ in float rounding only), so a resumed run may lower them
-# after running out of memory.
+# RunConfig fields (dotted) that do not change what a step computes, so not part of a run's identity: the data
+# order of the first steps does not depend on train.steps (`task_order`), so a finished run can be extended; the
+# vLLM engine's settings (its GPU share, sleep mode), the loss's chunk of logit rows and the collective timeout
+# change memory or waiting, not the result (per-row log-softmax; chunk sums differ in float rounding only), so a
+# resumed run may lower them after running out of memory.
 NOT_IDENTITY = ("steps", "checkpoint_every", "keep_checkpoint", "activation_checkpointing", "vllm",
-                "ppo.chunk_size")
+                "dist_timeout_min", "ppo.chunk_size")
 
 
 def _without(section: dict, paths) -> dict:
@@ -79,10 +79,12 @@ def _without(section: dict, paths) -> dict:
     return out
 
 
-def training_identity(cfg: dict, method: str, seed: int, **inputs) -> dict:
-    """What a checkpoint must match to be resumed (harness.run_identity): the config sections the run reads (less
-    NOT_IDENTITY), method, seed and every input (`inputs`: name -> file or directory, or None)."""
-    return run_identity({**cfg, "train": _without(cfg["train"], NOT_IDENTITY)}, seed, inputs, method=method)
+def training_identity(cfg: dict, run: RunConfig, method: str, seed: int, **inputs) -> dict:
+    """What a checkpoint must match to be resumed (harness.run_identity): the run's typed train section (`run`:
+    every default filled in, the method's own settings; less NOT_IDENTITY), the other config sections it reads,
+    method, seed and every input (`inputs`: name -> file or directory, or None). A default written out or left
+    out, or another method's settings, is the same run."""
+    return run_identity({**cfg, "train": _without(asdict(run), NOT_IDENTITY)}, seed, inputs, method=method)
 
 
 def preflight(cfg: dict, run: RunConfig, method: str, seed: int, student_dir, teacher_dir, tasks_path, index_dir,
@@ -95,8 +97,8 @@ def preflight(cfg: dict, run: RunConfig, method: str, seed: int, student_dir, te
         raise ValueError(f"method {method!r} needs a teacher")
     if taught:
         check_model_dirs(student_dir, teacher_dir)
-    harness.identity = training_identity(cfg, method, seed, student=student_dir, teacher=teacher_dir if taught else None,
-                                    tasks=tasks_path, index=index_dir)
+    harness.identity = training_identity(cfg, run, method, seed, student=student_dir,
+                                         teacher=teacher_dir if taught else None, tasks=tasks_path, index=index_dir)
     resume = harness.find()
     if resume is not None and resume["step"] > run.steps:  # train.steps is not part of the identity
         raise ResumeMismatch(f"{harness.path} is at step {resume['step']}, past train.steps {run.steps}: its model "
