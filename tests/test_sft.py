@@ -582,25 +582,33 @@ def test_sft_repeats_config_and_its_tokens(tmp_path):
     assert stage_repeats(str(tmp_path), TrainConfig.from_section(TINY_SFT, "student"), seed=1) == []
 
 
-def test_fingerprint_is_what_the_run_computes_not_how_it_is_laid_out(examples):
+def test_fingerprint_is_what_the_run_computes_not_how_it_is_laid_out(examples, tmp_path):
+    import os
     from dataclasses import asdict
 
     from memopd.sft.trainer import fingerprint
 
-    ids = {"init": "x"}
-    base = fingerprint(CFG, 0, examples, 1, ids)
+    init = tmp_path / "model.safetensors"
+    init.write_bytes(b"weights")
+    base = fingerprint(CFG, 0, examples, 1, init)
     for changed in (dict(repeats=3), dict(repeat_length=(1, 2)), dict(layouts=("exact", "persistent")), dict(lr=1e-3)):
-        assert fingerprint(replace(CFG, **changed), 0, examples, 1, ids) != base, changed
-    assert fingerprint(replace(CFG, activation_checkpointing=True), 0, examples, 1, ids) == base
-    assert fingerprint(replace(CFG, shard="fsdp"), 0, examples, 1, ids) != base  # its optimizer state differs
-    assert fingerprint(replace(CFG, snapshots=(2,)), 0, examples, 1, ids) != base  # each asked snapshot written
-    # no snapshots: the identity of a run before the field existed (its checkpoints still resume)
+        assert fingerprint(replace(CFG, **changed), 0, examples, 1, init) != base, changed
+    assert fingerprint(replace(CFG, activation_checkpointing=True), 0, examples, 1, init) == base
+    assert fingerprint(replace(CFG, shard="fsdp"), 0, examples, 1, init) != base  # its optimizer state differs
+    assert fingerprint(replace(CFG, snapshots=(2,)), 0, examples, 1, init) != base  # each asked snapshot written
+    # by hand: the identity's JSON (config less the layout fields, seed, the weights file's size and mtime, world
+    # size, the examples' tokens) and its SHA-256
     config = {k: v for k, v in asdict(CFG).items() if k not in ("activation_checkpointing", "shard", "snapshots")}
-    h = hashlib.sha256(json.dumps([config, 0, 1, ids], sort_keys=True, default=str).encode())
+    tokens = hashlib.sha256()
     for x in examples:
         inv = x.invocations[0]
-        h.update(np.array(inv.input_ids + [-1] + inv.output_ids + [-2], dtype=np.int64).tobytes())
-    assert base == h.hexdigest()[:16]
+        tokens.update(np.array(inv.input_ids + [-1] + inv.output_ids + [-2], dtype=np.int64).tobytes())
+    st = init.stat()
+    identity = {"config": config, "seed": 0, "world": 1, "examples": tokens.hexdigest(),
+                "init": {"path": str(init), "files": {"model.safetensors": [st.st_size, st.st_mtime_ns]}}}
+    assert base == hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    os.utime(init, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the initial model rebuilt: another run
+    assert fingerprint(CFG, 0, examples, 1, init) != base
 
 
 def test_copy_examples_with_a_long_context_hold_the_source_text_among_others():

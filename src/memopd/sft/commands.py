@@ -193,8 +193,6 @@ def cmd_sft_train(args, cfg):
         train_ex, heldout = of_layouts(train_ex, tcfg.layouts), of_layouts(heldout, ("exact",))
         train_ex += stage_repeats(args.init, tcfg, seed)  # training only: the held-out loss stays the agent's
         model = load_model(args.init, dtype="float32", device=str(j.device))  # fp32 master weights
-        st = (Path(args.init) / "model.safetensors").stat()
-        identity = {"init": str(Path(args.init).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
         info_path = Path(args.init) / "memopd_model.json"
         base = {**(json.loads(info_path.read_text()) if info_path.exists() else {}),
                 "params": sum(p.numel() for p in model.parameters()), "init": args.init}
@@ -203,7 +201,7 @@ def cmd_sft_train(args, cfg):
         j.run.log_params({"world_size": j.world, "device": str(j.device)})
         j.run.log_input(args.examples, "train", name="sft/" + Path(args.examples).stem)
         summary = train(model, train_ex, heldout, tcfg, seed, out / "checkpoint", log=j.run.log_metrics,
-                        identity=identity, snapshot=snapshot)
+                        init=Path(args.init).resolve() / "model.safetensors", snapshot=snapshot)
         export(model, out, load_tokenizer(args.init))  # sft.shard fsdp: gathered from the shards (collective)
         if j.rank == 0:
             write_json(out / "memopd_model.json", {**base, args.stage: {**record, **summary}})

@@ -28,7 +28,6 @@ only each layer's input is kept), applied before sharding; the same loss and gra
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import time
 from contextlib import nullcontext
@@ -41,7 +40,7 @@ import torch.distributed as dist
 
 from memopd import parallel
 from memopd.dist import TIMEOUT_MIN, dist_info
-from memopd.harness import Harness, Part
+from memopd.harness import Harness, Part, digest, run_identity
 from memopd.packing import PackingLimitError
 from memopd.records import Episode
 from memopd.sft.data import LAYOUTS, StepPlan, bin_pack, example_len, target_len
@@ -169,18 +168,19 @@ def make_optimizer(model, cfg: TrainConfig, total_steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def fingerprint(cfg: TrainConfig, seed: int, examples: list[Episode], world: int, identity: dict) -> str:
-    """What a checkpoint must match to be resumed: config, seed, world size, data, initial model."""
+def fingerprint(cfg: TrainConfig, seed: int, examples: list[Episode], world: int, init: str | Path | None) -> str:
+    """What a checkpoint must match to be resumed (harness.run_identity): config, seed, world size, the initial
+    model's weights file (`init`) and the examples' tokens."""
     # how the run is laid out is not what it computes: activation checkpointing and replicas (shard none) are
     # left out; fsdp stores its optimizer state by parameter name, so it is resumed by fsdp runs only. Snapshots
     # count when there are any: a run asked for other ones starts afresh, so that each one is written
     config = {k: v for k, v in asdict(cfg).items() if k != "activation_checkpointing" and (k, v) != ("shard", "none")
               and (k, v) != ("snapshots", ())}
-    h = hashlib.sha256(json.dumps([config, seed, world, identity], sort_keys=True, default=str).encode())
+    data = hashlib.sha256()
     for x in examples:
         inv = x.invocations[0]
-        h.update(torch.tensor(inv.input_ids + [-1] + inv.output_ids + [-2], dtype=torch.int64).numpy().tobytes())
-    return h.hexdigest()[:16]
+        data.update(torch.tensor(inv.input_ids + [-1] + inv.output_ids + [-2], dtype=torch.int64).numpy().tobytes())
+    return digest(run_identity(config, seed, {"init": init}, world=world, examples=data.hexdigest()))[:16]
 
 
 @torch.no_grad()
@@ -208,7 +208,7 @@ def evaluate(model, examples: list[Episode], cfg: TrainConfig) -> dict:
 
 def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConfig, seed: int,
           checkpoint_dir: str | Path, log: Callable[[dict, int], None] | None = None,
-          identity: dict | None = None, stop_after: int | None = None, progress: bool = True,
+          init: str | Path | None = None, stop_after: int | None = None, progress: bool = True,
           snapshot: Callable[[dict], None] | None = None) -> dict:
     """Train `model` in place on `examples`; resume from `checkpoint_dir` when it holds a checkpoint of this very
     run (same fingerprint; another run's is replaced). `log(metrics, step)` receives training curves and held-out
@@ -231,7 +231,7 @@ def train(model, examples: list[Episode], heldout: list[Episode], cfg: TrainConf
     net = parallel.shard(model, cfg.dtype) if sharded else model
     model.train()
     opt, sched = make_optimizer(model, cfg, plan.total_steps)  # on the shards when sharded
-    fp = fingerprint(cfg, seed, examples, world, identity or {})
+    fp = fingerprint(cfg, seed, examples, world, init)
     harness = Harness(Path(checkpoint_dir), {"fingerprint": fp}, plan.total_steps, cfg.checkpoint_every, "sft",
                       replace_other=True, parts=[Part("model", net, "optimizer", opt)],
                       schedulers={"scheduler": sched}, extra={"train_seconds": 0.0}, progress=progress)
