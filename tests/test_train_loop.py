@@ -657,6 +657,7 @@ def test_memory_settings_are_not_part_of_a_runs_identity():
     train = _train(vllm={"gpu_memory_utilization": 0.3, "sleep": True}, ppo={"clip": 0.2, "chunk_size": 512})
     smaller = _train(vllm={"gpu_memory_utilization": 0.2, "sleep": True}, ppo={"clip": 0.2, "chunk_size": 128})
     assert _identity(train) == _identity(smaller)
+    assert _identity(train) == _identity({**train, "dist_timeout_min": 240})  # how long a rank waits: not the result
     assert _identity(train) != _identity(_train(vllm=train["vllm"], ppo={"clip": 0.1, "chunk_size": 512}))
     assert train["ppo"]["chunk_size"] == 512 and train["vllm"]["gpu_memory_utilization"] == 0.3  # left as it was
 
