@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from memopd.config import AgentConfig, ColocatedEngineConfig, EngineConfig, RolloutConfig, rollout_config
+from memopd.config import (AgentConfig, BM25Config, ColocatedEngineConfig, DenseConfig, EngineConfig, PlanConfig,
+                           RecallConfig, RetrievalConfig, RolloutConfig, rollout_config)
 from memopd.sft.trainer import TrainConfig
 from memopd.train.config import PPO_FIELD_OF_KEY, RunConfig
 from memopd.train.update import PPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-TYPED = (AgentConfig, RolloutConfig, EngineConfig, ColocatedEngineConfig, RunConfig, PPOConfig, TrainConfig)
+TYPED = (AgentConfig, RolloutConfig, EngineConfig, ColocatedEngineConfig, RunConfig, PPOConfig, TrainConfig,
+         RetrievalConfig, BM25Config, DenseConfig, RecallConfig, PlanConfig)
 # reads of such a key name with a fallback that are not a typed section's: (file, key) -> why
 NOT_A_TYPED_SECTION = {
     ("audit/steps.py", "rule"): "an episode file's recorded metadata, '?' when absent",
@@ -31,17 +33,24 @@ NOT_A_TYPED_SECTION = {
     ("config.py", "ppo"): "train.per_method's optional ppo overrides",
     ("evaluation/evaluate.py", "vllm"): "the rollout section's optional engine, replaced for one step",
     ("evaluation/evaluate.py", "invalid_action"): "rce_rollouts' override, else the typed agent section's",
-    ("retrieval/steps.py", "backend"): "retrieval.backend: the retrieval section's own key",
     ("teachers/trajectories.py", "reward"): "teacher.reward: the trajectory filter's own key",
     ("sft/trainer.py", "steps"): "sft.pretrain.<role>.steps: no pre-training stage when absent",
     ("study/chain.py", "snapshots"): "read when the Snakefile is parsed (no torch): none when absent",
     ("models.py", "dtype"): "models.<role>.dtype, declared once in models.pretrained_dtype",
+    ("prefetch.py", "model"): "teacher.llm.model: the LLM teacher's model, a required key when kind is llm",
+    ("data/compose.py", "sources"): "benchmarks.qn.sources, not retrieval.recall.sources",
 }
 
 
 def _typed_keys() -> set[str]:
     keys = {f.name for c in TYPED for f in dataclasses.fields(c)}
     return keys | set(PPO_FIELD_OF_KEY) | {"backend"}
+
+
+def _names_a_typed_default(node: ast.AST) -> bool:
+    """`DenseConfig.model`: the fallback is the typed section's own default, not a second spelling of it."""
+    return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id in {c.__name__ for c in TYPED})
 
 
 def test_no_module_reads_a_typed_key_with_its_own_fallback():
@@ -54,6 +63,7 @@ def test_no_module_reads_a_typed_key_with_its_own_fallback():
             if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get"
                     and len(n.args) == 2 and isinstance(n.args[0], ast.Constant) and n.args[0].value in keys
                     and not (isinstance(n.args[1], ast.Constant) and n.args[1].value is None)
+                    and not _names_a_typed_default(n.args[1])
                     and (rel, n.args[0].value) not in NOT_A_TYPED_SECTION):
                 found.append(f"{rel}:{n.lineno}: .get({n.args[0].value!r}, {ast.unparse(n.args[1])})")
     assert not found, "\n".join(found)
@@ -146,3 +156,42 @@ def test_the_typed_engines_take_only_the_keys_the_schema_declares():
         assert set(schema[section]["properties"]["vllm"]["properties"]) == {f.name for f in dataclasses.fields(cls)}
         with pytest.raises(ConfigError, match=f"unknown {section}.vllm keys \\['gpu_mem'\\]"):
             cls.from_dict({"gpu_mem": 0.5})
+
+
+def test_the_typed_retrieval_and_plan_sections_take_the_schemas_keys():
+    """retrieval (and its bm25, dense, recall) and plan: the schema's keys are the dataclasses' fields; an unknown
+    key is refused naming its place, and a backend outside the schema's enum too."""
+    import yaml
+
+    from memopd.inputs import ConfigError
+
+    props = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())["properties"]
+    ret = props["retrieval"]["properties"]
+    pairs = [(ret, RetrievalConfig), (ret["bm25"]["properties"], BM25Config), (ret["dense"]["properties"], DenseConfig),
+             (ret["recall"]["properties"], RecallConfig), (props["plan"]["properties"], PlanConfig)]
+    for keys, cls in pairs:
+        assert set(keys) == {f.name for f in dataclasses.fields(cls)}, cls.__name__
+    assert set(ret["backend"]["enum"]) == {"bm25", "e5"}
+    with pytest.raises(ConfigError, match=r"unknown retrieval.dense keys \['shards'\]"):
+        RetrievalConfig.from_dict({"backend": "e5", "dense": {"shards": 4}})
+    with pytest.raises(ConfigError, match="retrieval.backend: unknown backend 'splade'"):
+        RetrievalConfig.from_dict({"backend": "splade"})
+    with pytest.raises(ConfigError, match=r"unknown plan keys \['gpu_gb'\]"):
+        PlanConfig.from_dict({"gpu_gb": 80})
+
+
+def test_the_dense_index_the_planner_sizes_is_the_one_the_builder_builds():
+    """Without retrieval.dense's shard size, batch and length, the planned index build and search use the values
+    memopd.retrieval.dense builds with (its parameters of the same section), not numbers of the planner's own."""
+    from memopd.retrieval.dense import _params
+
+    cfg = _paper((("retrieval", "dense", "shard_passages"), ("retrieval", "dense", "batch_size"),
+                  ("retrieval", "dense", "max_length")))
+    built = _params(cfg["retrieval"]["dense"])
+    job = _job(cfg, "retrieval_index")
+    n = cfg["plan"]["corpus"]["passages"]
+    assert built["shard_passages"] < n  # the builder's shards, not the whole corpus at once
+    assert f"shard_passages {built['shard_passages']:,} x" in job.host["index shard"][1]
+    assert f"{built['batch_size']} x {built['max_length']} tokens" in job.phases["encode"]["batch"][1]
+    search = _job(cfg, "train")
+    assert f"search_block {built['search_block']:,} x" in search.host["search blocks"][1]

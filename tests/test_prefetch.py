@@ -36,6 +36,21 @@ def test_the_paper_config_pins_every_hub_repository_to_a_commit():
     assert repos[("model", "openai/gpt-oss-120b")]["ignore"] == ["original/*", "metal/*"]
 
 
+def test_the_encoder_the_index_builds_with_by_default_is_prefetched_and_read_offline():
+    """retrieval.dense without a model: the builder's default encoder (memopd.retrieval.dense) is downloaded at its
+    pin and the index job's config names its snapshot directory, as when the config names it."""
+    from memopd.retrieval.dense import _params
+
+    cfg = copy.deepcopy(PAPER)
+    named = cfg["retrieval"]["dense"].pop("model")
+    default = _params(cfg["retrieval"]["dense"])["model"]
+    assert default == named  # the paper names the default: the same download either way
+    assert ("model", default) in {(r["type"], r["repo"]) for r in hub_repos(cfg)}
+    local = localize(cfg)["retrieval"]["dense"]["model"]
+    assert local == str(snapshot_dir(cfg["hub"]["home"], default, "model", cfg["hub"]["revisions"][default]))
+    assert "model" not in cfg["retrieval"]["dense"]  # the user's config is left as written
+
+
 @pytest.mark.parametrize("revision", [None, "main", "a09a354", "A09A35458C702B33EEACC393D103063234E8BC28"])
 def test_a_repository_without_a_full_commit_hash_is_refused(revision):
     from snakemake.exceptions import WorkflowError

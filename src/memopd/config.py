@@ -1,5 +1,5 @@
-"""The config's agent and rollout sections as typed values, parsed once where a command starts, and the
-per-benchmark lookups of the `eval` section. Importable without torch: the Snakefile imports it at parse time
+"""The config's agent, rollout, retrieval and plan sections as typed values, parsed once where a command starts,
+and the per-benchmark lookups of the `eval` section. Importable without torch: the Snakefile imports it at parse time
 (workflow/rules/common.smk), and so do the planner and the commands before they load any model.
 
 Config keys keep their spelling (workflow/schemas/config.schema.yaml documents them); a field may be named for
@@ -170,6 +170,116 @@ def agent_config(cfg: dict, **overrides) -> AgentConfig:
         return AgentConfig.from_dict(section(cfg, "agent"), **{"batch_size": batch, **overrides})
     except (TypeError, ValueError) as e:  # an unknown key, or a field without a value
         raise ConfigError(f"config section 'agent': {e}") from None
+
+
+RETRIEVAL_BACKENDS = ("bm25", "e5")  # retrieval.backend: BM25 (bm25s, CPU) or dense e5 vectors (FAISS)
+
+
+@dataclass(frozen=True)
+class BM25Config:
+    """`retrieval.bm25` (memopd.retrieval.bm25), chosen on a tuning sample disjoint from the reported one."""
+
+    k1: float = 1.2
+    b: float = 0.75
+    method: str = "lucene"
+    stemmer: str | None = "english"  # Snowball (PyStemmer); None: no stemming
+    stopwords: str | None = "en"
+    title_weight: int = 2  # the title is indexed this many times before the text
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "retrieval.bm25") -> "BM25Config":
+        return cls(**_known(d, cls, key))
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    """`retrieval.dense` (memopd.retrieval.dense): the e5 encoder, the FAISS index and the resumable build."""
+
+    model: str = "intfloat/e5-base-v2"
+    max_length: int = 256
+    batch_size: int = 256
+    device: str = "auto"
+    dtype: str = "auto"
+    faiss_factory: str = "Flat"  # exact inner product; else a FAISS index_factory string
+    faiss_search: str = ""
+    query_prefix: str = "query: "
+    passage_prefix: str = "passage: "
+    shard_passages: int = 500_000  # passages per resumable build shard (bounds its memory)
+    search_block: int = 65_536  # rows per block of the exact numpy search
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "retrieval.dense") -> "DenseConfig":
+        return cls(**_known(d, cls, key))
+
+
+@dataclass(frozen=True)
+class RecallConfig:
+    """`retrieval.recall`: the recall figures' question sample and the timed searches."""
+
+    sources: tuple = ()  # {format, path} of the questions with evidence
+    questions: int | None = 300  # per data set, seeded sample; None: every question
+    nq_k: int = 5
+    hotpot_k: int = 10
+    timing_queries: int = 1000
+    timing_k: int = 3
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "retrieval.recall") -> "RecallConfig":
+        d = _known(d, cls, key)
+        return cls(**{**d, "sources": tuple(d.get("sources") or ())})
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """The `retrieval` section: the corpus, the index of its backend, the recall figures."""
+
+    backend: str = "bm25"
+    corpus: tuple = ()  # passage sources, {format, path} or {format, fetch}
+    bm25: BM25Config = field(default_factory=BM25Config)
+    dense: DenseConfig = field(default_factory=DenseConfig)
+    recall: RecallConfig = field(default_factory=RecallConfig)
+
+    def __post_init__(self):
+        if self.backend not in RETRIEVAL_BACKENDS:
+            raise ConfigError(f"retrieval.backend: unknown backend {self.backend!r} "
+                              f"(known: {', '.join(RETRIEVAL_BACKENDS)})")
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "retrieval") -> "RetrievalConfig":
+        d = _known(d, cls, key)
+        return cls(**{**d, "corpus": tuple(d.get("corpus") or ()), "bm25": BM25Config.from_dict(d.get("bm25")),
+                      "dense": DenseConfig.from_dict(d.get("dense")), "recall": RecallConfig.from_dict(d.get("recall"))})
+
+
+def retrieval_config(cfg: dict) -> RetrievalConfig:
+    """The `retrieval` section of a config; a ConfigError names a bad key."""
+    return RetrievalConfig.from_dict(section(cfg, "retrieval"))
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """The `plan` section: the resource plan's machine and the allowances it adds (memopd.plan)."""
+
+    enforce: bool = False  # the workflow refuses a run whose jobs do not fit
+    gpu_memory_gb: float = 80
+    disk_gb: float = 1000
+    process_gb: float = 4.0  # host memory of one worker process
+    cuda_context_gb: float = 1.0
+    nccl_gb: float = 0.5  # GPU memory of NCCL's own buffers per rank
+    vllm_asleep_gb: float = 1.0  # GPU memory a sleeping vLLM engine keeps
+    prompt_tokens: int = 512  # allowance for the system prompt and the questions
+    observation_overhead: int = 64  # tags and turn hint around an observation
+    models: dict = field(default_factory=dict)  # sizes per model name when no config.json is cached
+    corpus: dict | None = None  # {passages, text_gb} of the dense index's corpus
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "plan") -> "PlanConfig":
+        return cls(**_known(d, cls, key))
+
+
+def plan_config(cfg: dict) -> PlanConfig:
+    """The `plan` section of a config (absent: every default); a ConfigError names a bad key."""
+    return PlanConfig.from_dict(cfg.get("plan"))
 
 
 MATCHED_DEFAULT_BENCHMARK = "q2_test"

@@ -13,7 +13,8 @@ The snapshot directory of a pinned commit is known before the download (the cach
 `{home}/hub/{type}s--{org}--{name}/snapshots/{commit}`), so the workflow can name it when it is parsed;
 `prefetch` checks that the download landed there.
 
-Only the standard library is imported at module level: the workflow imports this module when it is parsed.
+Only the standard library and memopd.config are imported at module level: the workflow imports this module when it
+is parsed.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import copy
 import json
 import re
 from pathlib import Path
+
+from memopd.config import DenseConfig
 
 # vLLM's gpt-oss (the harmony format) loads tiktoken encodings from the internet when its server starts; they
 # are not in the model repository. Fetched here with the sha256 that tiktoken itself expects
@@ -46,8 +49,8 @@ def _places(cfg: dict):
                 yield "model", spec[key], None, spec, key
     ret = cfg["retrieval"]
     dense = ret.get("dense") or {}
-    if ret.get("backend") == "e5" and is_hub_name(dense.get("model", "")):
-        yield "model", dense["model"], None, dense, "model"
+    if ret.get("backend") == "e5" and is_hub_name(model := dense.get("model", DenseConfig.model)):
+        yield "model", model, None, dense, "model"
     llm = cfg.get("teacher", {}).get("llm") or {}
     if cfg.get("teacher", {}).get("kind") == "llm" and not llm.get("url") and is_hub_name(llm.get("model", "")):
         yield "model", llm["model"], None, llm, "model"
@@ -97,6 +100,8 @@ def localize(cfg: dict) -> dict:
     if not cfg.get("hub"):
         return cfg
     out = copy.deepcopy(cfg)
+    if out["retrieval"].get("backend") == "e5":  # the encoder by default too: named, so that it is localized
+        out["retrieval"]["dense"] = {"model": DenseConfig.model, **(out["retrieval"].get("dense") or {})}
     pins = {(r["type"], r["repo"]): r["revision"] for r in hub_repos(cfg)}
     for kind, name, _, section, key in list(_places(out)):
         rev = pins[(kind, name)]

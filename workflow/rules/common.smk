@@ -38,7 +38,7 @@ PYTHON_ONLINE = 'PYTHONPATH="$MEMOPD_SRC${PYTHONPATH:+:$PYTHONPATH}" "$MEMOPD_PY
 sys.path.insert(0, SRC)  # this checkout's library, as the jobs run it
 try:
     from memopd.codegraph import command_hash, command_targets, package_hash
-    from memopd.config import RULES, eval_job_config, matched_control_config, method_section, trained_runs
+    from memopd.config import RULES, eval_job_config, matched_control_config, method_section, plan_config, trained_runs
     from memopd.methods import METHODS, teacher_model
     from memopd.prefetch import encodings_dir, hub_repos, localize
     from memopd.report.archive import chain_evals
@@ -188,7 +188,7 @@ def check_plan():
     """The onstart check (workflow/rules/plan.smk): with plan.enforce, refuse a run whose jobs do not fit their
     resources (memopd.plan), before any job starts; it plans the rules of the jobs Snakemake is about to run
     (every modelled job if the DAG is not available)."""
-    if not (config.get("plan") or {}).get("enforce", False):
+    if not plan_config(config).enforce:
         return
     from snakemake.exceptions import WorkflowError
 

@@ -13,13 +13,13 @@ from memopd.plan.jobs import Job
 from memopd.plan.memory import (COMPARE_CHUNK, DIVERGENCE_BYTES, RCE_BYTES, STATE_BYTES, TOKEN_BYTES, act_per_token,
                                 attention_scores, call_input, episode_tokens, kv_per_token, max_turns, new_tokens,
                                 resolve_backend)
-from memopd.plan.models import (BYTES, DEFAULTS, GB, Spec, cached_config, load_config, model_role, qwen2_params, resolve,
+from memopd.plan.models import (BYTES, GB, Spec, cached_config, load_config, model_role, qwen2_params, resolve,
                                 role_spec, spec_from_config)
 from memopd.plan.report import disk_need, failures, markdown, rows
 from memopd.plan.stages import PLANNERS, plan, plan_data, plan_rollouts, plan_scoring, plan_sft, plan_train
 
 __all__ = [
-    "BYTES", "COMPARE_CHUNK", "DEFAULTS", "DIVERGENCE_BYTES", "GB", "PLANNERS", "RCE_BYTES", "STATE_BYTES",
+    "BYTES", "COMPARE_CHUNK", "DIVERGENCE_BYTES", "GB", "PLANNERS", "RCE_BYTES", "STATE_BYTES",
     "TOKEN_BYTES", "Job", "Spec", "act_per_token", "attention_scores", "cached_config", "call_input",
     "disk_need", "episode_tokens", "failures", "kv_per_token", "load_config", "markdown", "max_turns",
     "model_role", "new_tokens", "plan", "plan_data", "plan_rollouts", "plan_scoring", "plan_sft", "plan_train",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memopd.config import rollout_config
+from memopd.config import plan_config, retrieval_config, rollout_config
 from memopd.inputs import ConfigError
 from memopd.plan.memory import act_per_token, call_input, kv_per_token
-from memopd.plan.models import BYTES, GB, Spec, _plan, resolve
+from memopd.plan.models import BYTES, GB, Spec, resolve
 
 
 @dataclass
@@ -76,20 +76,20 @@ def _resources(cfg: dict, rule: str) -> dict:
 
 
 def _job(cfg: dict, rule: str, instance: str = "", resources_of: str | None = None) -> Job:
-    r, p = _resources(cfg, resources_of or rule), _plan(cfg)
+    r, p = _resources(cfg, resources_of or rule), plan_config(cfg)
     job = Job(f"{rule}[{instance}]" if instance else rule, rule, int(r.get("gpu", 0)), r["mem_mb"] * 1e6,
-              p["gpu_memory_gb"] * GB)
+              p.gpu_memory_gb * GB)
     procs = max(job.gpus, 1)
-    job.host["processes"] = (procs * p["process_gb"] * GB, f"{procs} x plan.process_gb {p['process_gb']}")
+    job.host["processes"] = (procs * p.process_gb * GB, f"{procs} x plan.process_gb {p.process_gb}")
     return job
 
 
 def _common(job: Job, cfg: dict, phase: str) -> None:
     if job.gpus:
-        c = _plan(cfg)["cuda_context_gb"]
+        c = plan_config(cfg).cuda_context_gb
         job.add(phase, "CUDA context", c * GB, f"plan.cuda_context_gb {c}")
     if job.gpus > 1:  # NCCL's own buffers of the job's process group (not the tensors it moves)
-        n = _plan(cfg)["nccl_gb"]
+        n = plan_config(cfg).nccl_gb
         job.add(phase, "NCCL buffers", n * GB, f"plan.nccl_gb {n}")
 
 
@@ -100,19 +100,19 @@ def _retriever(job: Job, cfg: dict, copies: int = 1, building: bool = False) -> 
     all), plus per process one search block of scores (queries x search_block x 17 B: float32 scores, int64
     candidates and their merge). Building: one shard at a time (its texts and float32 embeddings, twice while
     encoding and writing, + the encoded text), whatever the corpus size."""
-    r, corpus = cfg["retrieval"], _plan(cfg)["corpus"]
-    if r["backend"] != "e5" or not corpus:
+    r, corpus = retrieval_config(cfg), plan_config(cfg).corpus
+    if r.backend != "e5" or not corpus:
         return
-    dense = r["dense"]
-    d = resolve(dense["model"], cfg).hidden
+    dense = r.dense
+    d = resolve(dense.model, cfg).hidden
     n = corpus["passages"]
     if building:
-        sh = min(dense.get("shard_passages", n), n)
+        sh = min(dense.shard_passages, n)
         text = corpus["text_gb"] * GB / n  # bytes per passage
         job.host["index shard"] = (sh * (2 * d * 4 + 2 * text),
                                    f"shard_passages {sh:,} x (2 x {d} x 4 B + 2 x {text:.0f} B of text)")
         return
-    block, queries = dense.get("search_block", 65536), 512
+    block, queries = dense.search_block, 512
     job.host["index (page cache)"] = (n * d * 4, f"{n:,} passages x {d} x 4 B, memory-mapped, shared by the job")
     job.host["search blocks"] = (copies * queries * block * 17,
                                  f"{copies} x {queries} queries x search_block {block:,} x 17 B")

@@ -1,20 +1,15 @@
 """Model sizes: the shapes memory depends on (Spec), from a Hugging Face config.json, the config's plan.models
-table or a tiny model's sizes; the units (GB, bytes per dtype) and the config's plan section with its defaults."""
+table or a tiny model's sizes; the units (GB, bytes per dtype). The plan section itself: memopd.config.PlanConfig."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from memopd.config import plan_config
+
 GB = 1e9
 BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "auto": 2}
-DEFAULTS = {"gpu_memory_gb": 80, "disk_gb": 1000, "process_gb": 4.0, "cuda_context_gb": 1.0, "nccl_gb": 0.5,
-            "vllm_asleep_gb": 1.0, "prompt_tokens": 512,
-            "observation_overhead": 64, "models": {}, "corpus": None}
-
-
-def _plan(cfg: dict) -> dict:
-    return {**DEFAULTS, **(cfg.get("plan") or {})}
 
 
 # ---------------------------------------------------------------------------------------------- model specs
@@ -93,7 +88,7 @@ def cached_config(name: str) -> dict | None:
 def resolve(name: str, cfg: dict) -> Spec:
     """A model by hub name or directory: its cached config.json, completed by plan.models[name] (params, or the
     stored size of a quantised model, which config.json lacks); plan.models alone when nothing is cached."""
-    table = _plan(cfg)["models"].get(name)
+    table = plan_config(cfg).models.get(name)
     found = cached_config(name)
     if found is None and table is None:
         raise ValueError(f"no config.json for model {name!r} offline: add its sizes to config plan.models")

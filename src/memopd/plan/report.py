@@ -2,8 +2,9 @@
 does not fit (each job's failures and the disk of all jobs)."""
 from __future__ import annotations
 
+from memopd.config import plan_config
 from memopd.plan.jobs import Job
-from memopd.plan.models import GB, _plan
+from memopd.plan.models import GB
 
 
 def disk_need(jobs: list[Job]) -> float:
@@ -12,7 +13,7 @@ def disk_need(jobs: list[Job]) -> float:
 
 def failures(cfg: dict, jobs: list[Job]) -> list[str]:
     out = [f for j in jobs for f in j.failures()]
-    disk, limit = disk_need(jobs), _plan(cfg)["disk_gb"] * GB
+    disk, limit = disk_need(jobs), plan_config(cfg).disk_gb * GB
     if disk > limit:
         out.append(f"disk: results + data need {disk / GB:.0f} GB > plan.disk_gb {limit / GB:.0f}")
     return out
@@ -47,7 +48,7 @@ def markdown(cfg: dict, jobs: list[Job]) -> str:
     lines = [f"Resource plan ({cfg.get('scale', '?')} scale; GB = 1e9 B; GPU figures per GPU, host per job)", "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(x[k]) for k in keys) + " |" for x in r]
-    lines += ["", f"disk (all jobs): {disk_need(jobs) / GB:.0f} GB of plan.disk_gb {_plan(cfg)['disk_gb']}", ""]
+    lines += ["", f"disk (all jobs): {disk_need(jobs) / GB:.0f} GB of plan.disk_gb {plan_config(cfg).disk_gb}", ""]
     for j in jobs:
         phase = j.peak()[0]
         totals = ", ".join(f"{ph} {sum(v for v, _ in t.values()) / GB:.1f}" for ph, t in j.phases.items())

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 
-from memopd.config import RULES, rollout_config, trained_runs
+from memopd.config import RULES, plan_config, retrieval_config, rollout_config, trained_runs
 from memopd.methods import method as method_spec
 from memopd.plan.jobs import Job, _common, _fsdp, _job, _resources, _retriever, _rollouts, _scoring, _vllm
 from memopd.plan.memory import (COMPARE_CHUNK, DIVERGENCE_BYTES, STATE_BYTES, TOKEN_BYTES, _rce_terms, act_per_token,
                                 attention_scores, call_input, episode_tokens, max_turns, new_tokens, resolve_backend)
-from memopd.plan.models import BYTES, GB, Spec, _plan, model_role, resolve, role_spec
+from memopd.plan.models import BYTES, GB, Spec, model_role, resolve, role_spec
 
 
 def run_config(cfg: dict):
@@ -45,7 +45,7 @@ def plan_train(cfg: dict) -> list[Job]:
         for ph in ("rollout",) if sleeping else ("rollout", "scoring", "update"):
             _vllm(job, cfg, ph, pol, run.vllm.gpu_memory_utilization, engine.vllm.max_model_len)
         for ph in ("scoring", "update") if sleeping else ():  # what sleep mode does not free (CUDA graphs, its pool)
-            a = _plan(cfg)["vllm_asleep_gb"]
+            a = plan_config(cfg).vllm_asleep_gb
             job.add(ph, "vLLM asleep", a * GB, f"plan.vllm_asleep_gb {a}")
     else:  # hf: the policy itself generates, gathered whole when sharded
         _rollouts(job, cfg, "rollout", pol, t["benchmark"], ro["max_new_tokens"], local, weights=False)
@@ -67,7 +67,7 @@ def plan_train(cfg: dict) -> list[Job]:
                     f"{local} episodes x {actions} actions x h_T x {BYTES[dt]} B")
     job.add("update", "activations (policy + critic)", both * tokens * act_per_token(pol, dt, ckpt),
             f"(1 + {k}/{pol.layers}) models x T_pack {tokens} x {'checkpointed ' if ckpt else ''}a({dt}) x L")
-    q, turns, backend = _plan(cfg)["prompt_tokens"], max_turns(cfg["agent"], t["benchmark"]), run.ppo.attention
+    q, turns, backend = plan_config(cfg).prompt_tokens, max_turns(cfg["agent"], t["benchmark"]), run.ppo.attention
     own = call_input(cfg, ro["max_new_tokens"]) - q + ro["max_new_tokens"]
     backend = resolve_backend(pol, backend, job.gpus > 0, ckpt, dt, q, turns, own)
     scores = attention_scores(pol, backend, job.gpus > 0, 4, tokens, q, turns, own)
@@ -293,7 +293,7 @@ def _packing_job(cfg: dict, am: Spec) -> Job:
     audit, ro, pk = cfg["audit"], cfg["rollout"], cfg["audit"]["packing"]
     bench, rule, gpu = audit["benchmark"], audit.get("rule"), _resources(cfg, "audit_packing_efficiency").get("gpu", 0) > 0
     max_new = new_tokens(audit.get("max_new_tokens"), bench, ro["max_new_tokens"])
-    turns, q = max_turns(cfg["agent"], bench), _plan(cfg)["prompt_tokens"]
+    turns, q = max_turns(cfg["agent"], bench), plan_config(cfg).prompt_tokens
     T = min(turns, max(c or turns for c in pk["real"]["calls"]))
     L = call_input(cfg, max_new, rule) + max_new  # one call: its input and response
     own, dt = L - q, "float32"
@@ -349,7 +349,7 @@ def plan_rollouts(cfg: dict) -> list[Job]:
         _common(job, cfg, "serving")
         _vllm(job, cfg, "serving", resolve(te["llm"]["model"], cfg), sv["gpu_memory_utilization"], sv["max_model_len"],
               sv.get("tensor_parallel_size", 1))
-        job.host["vLLM server process"] = (_plan(cfg)["process_gb"] * GB, "plan.process_gb")
+        job.host["vLLM server process"] = (plan_config(cfg).process_gb * GB, "plan.process_gb")
     _retriever(job, cfg)
     return jobs + [job]
 
@@ -367,13 +367,13 @@ def plan_data(cfg: dict) -> list[Job]:
             job.host["model"] = (2 * m.params * b, f"2 x P x {b} B")
             job.disk[f"{role}_init"] = (m.params * b, f"P x {b} B")
             jobs.append(job)
-    r, corpus = cfg["retrieval"], _plan(cfg)["corpus"]
-    if r["backend"] == "e5" and corpus:
-        e5, d = resolve(r["dense"]["model"], cfg), r["dense"]
+    r, corpus = retrieval_config(cfg), plan_config(cfg).corpus
+    if r.backend == "e5" and corpus:
+        e5, d = resolve(r.dense.model, cfg), r.dense
         job = _job(cfg, "retrieval_index")
         _common(job, cfg, "encode")
         job.add("encode", "weights", e5.weights("float16"), "P x 2 B")
-        bt, lt = d["batch_size"], d["max_length"]
+        bt, lt = d.batch_size, d.max_length
         job.add("encode", "batch", bt * lt * (4 * e5.hidden + 2 * (e5.intermediate + 4 * e5.hidden) + 2 * e5.heads * lt),
                 f"{bt} x {lt} tokens x (fp32 output 4h + one layer 2(i + 4h) + scores 2 heads x {lt}) B")
         _retriever(job, cfg, building=True)

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from memopd.config import BM25Config
 from memopd.retrieval.base import Hit, Retriever, write_index_dir
-
-DEFAULTS = {"k1": 1.2, "b": 0.75, "method": "lucene", "stemmer": "english", "stopwords": "en", "title_weight": 2}
 
 
 def _stemmer(name: str | None):
@@ -41,14 +41,13 @@ class BM25Retriever(Retriever):
 
     # ---------------------------------------------------------------------------------- building
     @classmethod
-    def build(cls, corpus: dict[str, list[str]], params: dict | None = None, progress: bool = True) -> "BM25Retriever":
-        """Index a corpus given as {"id": [...], "title": [...], "text": [...]}."""
+    def build(cls, corpus: dict[str, list[str]], params: BM25Config | dict | None = None,
+              progress: bool = True) -> "BM25Retriever":
+        """Index a corpus given as {"id": [...], "title": [...], "text": [...]}; `params` the retrieval.bm25
+        section (a dict: its keys over BM25Config's defaults)."""
         import bm25s
 
-        p = {**DEFAULTS, **(params or {})}
-        unknown = set(p) - set(DEFAULTS)
-        if unknown:
-            raise ValueError(f"unknown BM25 parameters {sorted(unknown)} (known: {sorted(DEFAULTS)})")
+        p = asdict(params if isinstance(params, BM25Config) else BM25Config.from_dict(params))
         if not corpus["id"]:
             raise ValueError("cannot index an empty corpus")
         docs = [" ".join([t] * p["title_weight"] + [x]) for t, x in zip(corpus["title"], corpus["text"])]
@@ -109,7 +108,7 @@ class BM25Retriever(Retriever):
         return len(self.ids)
 
 
-def build_index(corpus: dict[str, list[str]], out_dir: str | Path, params: dict | None = None,
+def build_index(corpus: dict[str, list[str]], out_dir: str | Path, params: BM25Config | dict | None = None,
                 record: dict | None = None) -> dict:
     """Build and save; returns {"passages", "build_seconds"} (tokenising + indexing, not saving)."""
     t0 = time.perf_counter()

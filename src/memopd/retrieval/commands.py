@@ -1,31 +1,34 @@
 """`memopd retrieval corpus | index | recall | search` (config section `retrieval`) and `memopd bench index`."""
 from __future__ import annotations
 
+from memopd.config import RetrievalConfig
 from memopd.inputs import existing, require, section
 from memopd.outputs import write_csv
 
 
-def cmd_retrieval_corpus(args, cfg):
+def cmd_retrieval_corpus(args, cfg: dict):
     from memopd.retrieval.steps import corpus_step
 
-    require(cfg, "corpus")
+    require(cfg, "corpus", where="retrieval")
     existing(args.data_dir)
-    corpus_step(cfg, args.data_dir, args.out)
+    corpus_step(RetrievalConfig.from_dict(cfg), args.data_dir, args.out)
 
 
-def cmd_retrieval_index(args, cfg):
+def cmd_retrieval_index(args, cfg: dict):
     from memopd.retrieval.steps import index_step
 
+    typed = RetrievalConfig.from_dict(cfg)
     existing(args.corpus)
-    index_step(cfg, args.corpus, args.out, online=args.online)
+    index_step(typed, cfg, args.corpus, args.out, online=args.online)
 
 
-def cmd_retrieval_recall(args, cfg):
+def cmd_retrieval_recall(args, cfg: dict):
     from memopd.retrieval.steps import recall_step
 
     section(cfg, "recall", "sources")
+    typed = RetrievalConfig.from_dict(cfg)
     existing(args.index, args.data_dir)
-    recall_step(cfg, args.index, args.data_dir, args.seed, args.out, args.timing)
+    recall_step(typed, args.index, args.data_dir, args.seed, args.out, args.timing)
 
 
 def cmd_retrieval_search(args, cfg):

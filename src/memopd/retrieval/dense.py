@@ -25,17 +25,16 @@ import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from memopd.atomic import atomic_path, write_text
+from memopd.config import DenseConfig
 from memopd.retrieval.base import Hit, Retriever
 
-DEFAULTS = {"model": "intfloat/e5-base-v2", "max_length": 256, "batch_size": 256, "device": "auto",
-            "dtype": "auto", "faiss_factory": "Flat", "faiss_search": "", "query_prefix": "query: ",
-            "passage_prefix": "passage: ", "shard_passages": 500_000, "search_block": 65_536}
 # what the embeddings depend on: a resumed build with other values starts over
 EMBEDDING_KEYS = ("model", "max_length", "device", "dtype", "passage_prefix", "shard_passages")
 RECALL_SAMPLE, RECALL_K = 1000, 10  # approximate FAISS indexes: recall@10 of 1,000 stored vectors as queries
@@ -108,7 +107,7 @@ def _block_topk(s: np.ndarray, k: int) -> np.ndarray:
     return part
 
 
-def exact_search(q: np.ndarray, vectors: np.ndarray, k: int, block: int = DEFAULTS["search_block"]
+def exact_search(q: np.ndarray, vectors: np.ndarray, k: int, block: int = DenseConfig.search_block
                  ) -> tuple[np.ndarray, np.ndarray]:
     """Exact inner-product top k of queries q (m, d) over vectors (N, d) (e.g. a memmap), streamed in blocks
     of `block` rows: peak extra memory ~ m x block x 17 B, never m x N. Returns scores (m, k) float32 and row
@@ -270,16 +269,13 @@ def _build_faiss(vectors: np.ndarray, factory: str, search: str, work: Path, see
     return {"factory": factory, "search": search, "recall_at_k": round(recall, 4), "k": k, "queries": len(q)}
 
 
-def _params(params: dict | None) -> dict:
-    p = {**DEFAULTS, **(params or {})}
-    unknown = set(p) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown dense retrieval parameters {sorted(unknown)} (known: {sorted(DEFAULTS)})")
-    return p
+def _params(params: DenseConfig | dict | None) -> dict:
+    """The retrieval.dense section as a dict of every key (a dict: its keys over DenseConfig's defaults)."""
+    return asdict(params if isinstance(params, DenseConfig) else DenseConfig.from_dict(params))
 
 
-def build_index(corpus: dict[str, list[str]] | str | Path, out_dir: str | Path, params: dict | None = None,
-                record: dict | None = None, online: bool = False, encoder=None, progress: bool = True) -> dict:
+def build_index(corpus: dict[str, list[str]] | str | Path, out_dir: str | Path,
+                params: DenseConfig | dict | None = None, record: dict | None = None, online: bool = False, encoder=None, progress: bool = True) -> dict:
     """Build the index directory `out_dir` from a corpus ({column: list} or its parquet file, streamed) in
     `<out_dir>.partial/`, renamed into place when complete (an interrupted build resumes there).
     `encoder`: anything with `encode(texts) -> (n, d) float32` (default: the configured e5 model, loaded
