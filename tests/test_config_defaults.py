@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from memopd.config import (AgentConfig, BM25Config, ColocatedEngineConfig, DenseConfig, EngineConfig, PlanConfig,
-                           RecallConfig, RetrievalConfig, RolloutConfig, rollout_config)
+from memopd.config import (AgentConfig, BM25Config, ColocatedEngineConfig, DenseConfig, EngineConfig, EvalConfig,
+                           PlanConfig, RecallConfig, RetrievalConfig, RolloutConfig, rollout_config)
 from memopd.sft.trainer import TrainConfig
 from memopd.train.config import PPO_FIELD_OF_KEY, RunConfig
 from memopd.train.update import PPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TYPED = (AgentConfig, RolloutConfig, EngineConfig, ColocatedEngineConfig, RunConfig, PPOConfig, TrainConfig,
-         RetrievalConfig, BM25Config, DenseConfig, RecallConfig, PlanConfig)
+         RetrievalConfig, BM25Config, DenseConfig, RecallConfig, PlanConfig, EvalConfig)
 # reads of such a key name with a fallback that are not a typed section's: (file, key) -> why
 NOT_A_TYPED_SECTION = {
     ("audit/steps.py", "rule"): "an episode file's recorded metadata, '?' when absent",
@@ -158,9 +158,9 @@ def test_the_typed_engines_take_only_the_keys_the_schema_declares():
             cls.from_dict({"gpu_mem": 0.5})
 
 
-def test_the_typed_retrieval_and_plan_sections_take_the_schemas_keys():
-    """retrieval (and its bm25, dense, recall) and plan: the schema's keys are the dataclasses' fields; an unknown
-    key is refused naming its place, and a backend outside the schema's enum too."""
+def test_the_typed_retrieval_plan_and_eval_sections_take_the_schemas_keys():
+    """retrieval (and its bm25, dense, recall), plan and eval: the schema's keys are the dataclasses' fields; an
+    unknown key is refused naming its place, and a backend outside the schema's enum too."""
     import yaml
 
     from memopd.inputs import ConfigError
@@ -168,7 +168,8 @@ def test_the_typed_retrieval_and_plan_sections_take_the_schemas_keys():
     props = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())["properties"]
     ret = props["retrieval"]["properties"]
     pairs = [(ret, RetrievalConfig), (ret["bm25"]["properties"], BM25Config), (ret["dense"]["properties"], DenseConfig),
-             (ret["recall"]["properties"], RecallConfig), (props["plan"]["properties"], PlanConfig)]
+             (ret["recall"]["properties"], RecallConfig), (props["plan"]["properties"], PlanConfig),
+             (props["eval"]["properties"], EvalConfig)]
     for keys, cls in pairs:
         assert set(keys) == {f.name for f in dataclasses.fields(cls)}, cls.__name__
     assert set(ret["backend"]["enum"]) == {"bm25", "e5"}
@@ -178,6 +179,20 @@ def test_the_typed_retrieval_and_plan_sections_take_the_schemas_keys():
         RetrievalConfig.from_dict({"backend": "splade"})
     with pytest.raises(ConfigError, match=r"unknown plan keys \['gpu_gb'\]"):
         PlanConfig.from_dict({"gpu_gb": 80})
+    with pytest.raises(ConfigError, match=r"unknown eval keys \['tasks'\]"):
+        EvalConfig.from_dict({"tasks": 10})
+
+
+def test_an_eval_setting_per_benchmark_resolves_by_name_then_default():
+    """eval's settings for one benchmark, by a plain lookup: its own name's value, else `default`, else the value
+    given once; None where unset (the rollout's value is used)."""
+    ev = EvalConfig.from_dict({"models": ["m"], "benchmarks": ["q2_test", "q8_test"], "max_tasks": 7,
+                               "max_new_tokens": {"default": 96, "q8_test": 320}, "temperature": {"default": 0.0}})
+    for bench, new in (("q2_test", 96), ("q8_test", 320), ("wikirag_test", 96)):
+        got = ev.at(bench)
+        assert (got.max_tasks, got.max_new_tokens, got.temperature) == (7, new, 0.0)
+        assert got.sampling() == {"temperature": 0.0, "max_new_tokens": new}
+    assert EvalConfig.from_dict({"max_tasks": None}).at("q2_test").sampling() == {}
 
 
 def test_the_dense_index_the_planner_sizes_is_the_one_the_builder_builds():

@@ -88,9 +88,9 @@ def test_eval_several_benchmarks_equal_separate_runs(tmp_path, monkeypatch):
 def _budgets(cfg: dict) -> dict[str, int]:
     """Effective evaluation response budget per benchmark (what memopd eval samples with)."""
     from memopd.generation.backends import make_sampling
-    from memopd.config import eval_overrides, rollout_config
+    from memopd.config import eval_config, rollout_config
 
-    return {b: make_sampling(rollout_config(cfg), **eval_overrides(cfg["eval"], b)).max_new_tokens
+    return {b: make_sampling(rollout_config(cfg), **eval_config(cfg).at(b).sampling()).max_new_tokens
             for b in cfg["eval"]["benchmarks"]}
 
 

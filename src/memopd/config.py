@@ -1,6 +1,6 @@
-"""The config's agent, rollout, retrieval and plan sections as typed values, parsed once where a command starts,
-and the per-benchmark lookups of the `eval` section. Importable without torch: the Snakefile imports it at parse time
-(workflow/rules/common.smk), and so do the planner and the commands before they load any model.
+"""The config's agent, rollout, retrieval, plan and eval sections as typed values, parsed once where a command
+starts. Importable without torch: the Snakefile imports it at parse time (workflow/rules/common.smk), and so do
+the planner and the commands before they load any model.
 
 Config keys keep their spelling (workflow/schemas/config.schema.yaml documents them); a field may be named for
 what it is where the key is ambiguous: `rollout.backend` is the generation engine (`RolloutConfig.engine`), not
@@ -120,7 +120,7 @@ class ColocatedEngineConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     """The `rollout` section: the generation engine, its precision and device, and the sampling of training
-    rollouts (evaluation overrides temperature and max_new_tokens per benchmark: `eval_overrides`)."""
+    rollouts (evaluation overrides temperature and max_new_tokens per benchmark: `EvalSettings.sampling`)."""
 
     engine: str = "hf"  # config key `backend`
     dtype: str = "float32"
@@ -331,12 +331,44 @@ def per_benchmark(value, bench: str):
     return value.get(bench, value.get("default")) if isinstance(value, dict) else value
 
 
-def eval_overrides(eval_cfg: dict, bench: str) -> dict:
-    """The sampling overrides of evaluation on `bench`: config eval temperature / max_new_tokens, each once
-    or per benchmark. null (or no key) keeps the training rollout's value (config rollout): evaluation runs
-    the protocol the policies were trained with unless the config says otherwise (a response budget below
-    training's cuts answers off, and a cut answer counts as an invalid action)."""
-    return {k: v for k in ("temperature", "max_new_tokens") if (v := per_benchmark(eval_cfg.get(k), bench)) is not None}
+@dataclass(frozen=True)
+class EvalSettings:
+    """The `eval` section's settings for one benchmark. None keeps the training rollout's value (config rollout):
+    evaluation runs the protocol the policies were trained with unless the config says otherwise (a response
+    budget below training's cuts answers off, and a cut answer counts as an invalid action)."""
+
+    max_tasks: int | None = None  # the first N tasks of the file; None: all
+    max_new_tokens: int | None = None
+    temperature: float | None = None  # 0: greedy
+
+    def sampling(self) -> dict:
+        """The sampling overrides of the evaluation: temperature and max_new_tokens where set."""
+        return {k: v for k in ("temperature", "max_new_tokens") if (v := getattr(self, k)) is not None}
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """The `eval` section: the models and benchmarks evaluated and their settings, each once or per benchmark file
+    name ({name: value, default: value})."""
+
+    models: tuple = ()
+    benchmarks: tuple = ()
+    max_tasks: int | dict | None = None
+    max_new_tokens: int | dict | None = None
+    temperature: float | dict | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "eval") -> "EvalConfig":
+        d = _known(d, cls, key)
+        return cls(**{**d, "models": tuple(d.get("models") or ()), "benchmarks": tuple(d.get("benchmarks") or ())})
+
+    def at(self, bench: str) -> EvalSettings:
+        return EvalSettings(*(per_benchmark(getattr(self, f.name), bench) for f in fields(EvalSettings)))
+
+
+def eval_config(cfg: dict) -> EvalConfig:
+    """The `eval` section of a config; a ConfigError names a bad key."""
+    return EvalConfig.from_dict(section(cfg, "eval"))
 
 
 def eval_job_config(cfg: dict, bench: str, **agent) -> dict:

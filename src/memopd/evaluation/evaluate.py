@@ -16,7 +16,7 @@ import torch
 
 from memopd.agent.protocol import Task, load_tasks
 from memopd.agent.rollout import rollout
-from memopd.config import RULES, AgentConfig, RolloutConfig, eval_overrides, per_benchmark, rollout_config
+from memopd.config import RULES, AgentConfig, EvalConfig, RolloutConfig, rollout_config
 from memopd.generation.backends import make_backend, make_sampling
 from memopd.outputs import write_csv, write_json
 from memopd.records import Episode, save_episodes
@@ -119,13 +119,13 @@ def evaluate_benchmarks(cfg: dict, agent: AgentConfig, model_dir: str, benchmark
     and .episodes.parquet under `out_dir`, each benchmark tracked as a child of the run that trained the model."""
     from memopd.tracking import eval_metrics, run_ref, tracked
 
-    ev, ro = cfg.get("eval", {}), rollout_config(cfg)
+    ev, ro = EvalConfig.from_dict(cfg.get("eval")), rollout_config(cfg)
     stems = [Path(b).stem for b in benchmarks]
-    backend, tok, _, retriever = load_agent(ro, model_dir, index, seed, **eval_overrides(ev, stems[0]))
+    backend, tok, _, retriever = load_agent(ro, model_dir, index, seed, **ev.at(stems[0]).sampling())
     for path, bench in zip(benchmarks, stems):
         torch.manual_seed(seed)  # as if each benchmark ran alone
-        backend.sampling = make_sampling(ro, **eval_overrides(ev, bench))
-        tasks = load_tasks(path, limit=limit or per_benchmark(ev.get("max_tasks"), bench))
+        backend.sampling = make_sampling(ro, **ev.at(bench).sampling())
+        tasks = load_tasks(path, limit=limit or ev.at(bench).max_tasks)
         # a child of the run that trained the model (its id in the model directory), tagged with its method and seed
         with tracked(tracking, f"eval-{Path(model_dir).name}-{bench}", cfg, stage="eval", model=Path(model_dir).name,
                      seed=seed, tags={"benchmark": bench, "eval_seed": seed}, parent=run_ref(model_dir)) as run:

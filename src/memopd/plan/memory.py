@@ -113,7 +113,7 @@ system prompt + questions), observations = max_observation_tokens + plan.observa
 from __future__ import annotations
 
 from memopd import cost
-from memopd.config import AgentConfig, plan_config
+from memopd.config import AgentConfig, per_benchmark, plan_config
 from memopd.plan.models import BYTES, Spec
 
 # The full-vocabulary comparisons run on chunks of COMPARE_CHUNK action positions (= memopd.rce.CHUNK; not imported:
@@ -199,6 +199,5 @@ def episode_tokens(cfg: dict, benchmark: str, max_new: int, rule: str | None = N
 
 def new_tokens(value, benchmark: str, default: int) -> int:
     """A max_new_tokens setting: null (the default), a number, or {default: n, <benchmark>: m}."""
-    if isinstance(value, dict):
-        value = value.get(benchmark, value.get("default"))
+    value = per_benchmark(value, benchmark)
     return int(value if value is not None else default)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from memopd.config import RULES, plan_config, retrieval_config, rollout_config, trained_runs
+from memopd.config import RULES, eval_config, plan_config, retrieval_config, rollout_config, trained_runs
 from memopd.methods import method as method_spec
 from memopd.plan.jobs import Job, _common, _fsdp, _job, _resources, _retriever, _rollouts, _scoring, _vllm
 from memopd.plan.memory import (COMPARE_CHUNK, DIVERGENCE_BYTES, STATE_BYTES, TOKEN_BYTES, _rce_terms, act_per_token,
@@ -331,14 +331,14 @@ def _packing_job(cfg: dict, am: Spec) -> Job:
 
 def plan_rollouts(cfg: dict) -> list[Job]:
     """Evaluation of the largest evaluated model, and the LLM teacher's trajectories."""
-    ev, t, ro = cfg["eval"], cfg["train"], cfg["rollout"]
-    names = list(ev["models"]) + [f"{m}_seed{s}" for m, s in trained_runs(t)]
+    ev, t, ro = eval_config(cfg), cfg["train"], cfg["rollout"]
+    names = list(ev.models) + [f"{m}_seed{s}" for m, s in trained_runs(t)]
     role = max(sorted({model_role(n) for n in names}), key=lambda r: role_spec(cfg, r).params)
     m = role_spec(cfg, role)
     job = _job(cfg, "eval", role)
     _common(job, cfg, "rollout")
-    bench = max(ev["benchmarks"], key=lambda b: new_tokens(ev.get("max_new_tokens"), b, ro["max_new_tokens"]))
-    _rollouts(job, cfg, "rollout", m, bench, new_tokens(ev.get("max_new_tokens"), bench, ro["max_new_tokens"]),
+    bench = max(ev.benchmarks, key=lambda b: new_tokens(ev.max_new_tokens, b, ro["max_new_tokens"]))
+    _rollouts(job, cfg, "rollout", m, bench, new_tokens(ev.max_new_tokens, bench, ro["max_new_tokens"]),
               ro["batch_size"])
     _retriever(job, cfg)
     jobs = [job]
