@@ -12,14 +12,16 @@ from pathlib import Path
 import pytest
 
 from memopd.config import (AgentConfig, BM25Config, ColocatedEngineConfig, DenseConfig, EngineConfig, EvalConfig,
-                           PlanConfig, RecallConfig, RetrievalConfig, RolloutConfig, rollout_config)
+                           PlanConfig, RecallConfig, RetrievalConfig, RolloutConfig, TeacherConfig, TeacherServerConfig,
+                           rollout_config)
 from memopd.sft.trainer import TrainConfig
 from memopd.train.config import PPO_FIELD_OF_KEY, RunConfig
 from memopd.train.update import PPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TYPED = (AgentConfig, RolloutConfig, EngineConfig, ColocatedEngineConfig, RunConfig, PPOConfig, TrainConfig,
-         RetrievalConfig, BM25Config, DenseConfig, RecallConfig, PlanConfig, EvalConfig)
+         RetrievalConfig, BM25Config, DenseConfig, RecallConfig, PlanConfig, EvalConfig, TeacherConfig,
+         TeacherServerConfig)
 # reads of such a key name with a fallback that are not a typed section's: (file, key) -> why
 NOT_A_TYPED_SECTION = {
     ("audit/steps.py", "rule"): "an episode file's recorded metadata, '?' when absent",
@@ -33,10 +35,10 @@ NOT_A_TYPED_SECTION = {
     ("config.py", "ppo"): "train.per_method's optional ppo overrides",
     ("evaluation/evaluate.py", "vllm"): "the rollout section's optional engine, replaced for one step",
     ("evaluation/evaluate.py", "invalid_action"): "rce_rollouts' override, else the typed agent section's",
-    ("teachers/trajectories.py", "reward"): "teacher.reward: the trajectory filter's own key",
     ("sft/trainer.py", "steps"): "sft.pretrain.<role>.steps: no pre-training stage when absent",
     ("study/chain.py", "snapshots"): "read when the Snakefile is parsed (no torch): none when absent",
     ("models.py", "dtype"): "models.<role>.dtype, declared once in models.pretrained_dtype",
+    ("config.py", "engine"): "teacher.llm.engine: LLM_ENGINES[0], the constant teachers.llm.LLMConfig's default is",
     ("prefetch.py", "model"): "teacher.llm.model: the LLM teacher's model, a required key when kind is llm",
     ("data/compose.py", "sources"): "benchmarks.qn.sources, not retrieval.recall.sources",
 }
@@ -158,9 +160,10 @@ def test_the_typed_engines_take_only_the_keys_the_schema_declares():
             cls.from_dict({"gpu_mem": 0.5})
 
 
-def test_the_typed_retrieval_plan_and_eval_sections_take_the_schemas_keys():
-    """retrieval (and its bm25, dense, recall), plan and eval: the schema's keys are the dataclasses' fields; an
-    unknown key is refused naming its place, and a backend outside the schema's enum too."""
+def test_the_typed_sections_take_the_schemas_keys_and_defaults():
+    """retrieval (and its bm25, dense, recall), plan, eval, teacher and its LLM's server: the schema's keys are the
+    dataclasses' fields and the defaults it states theirs; an unknown key is refused naming its place, and a value
+    outside the schema's enum too."""
     import yaml
 
     from memopd.inputs import ConfigError
@@ -169,9 +172,18 @@ def test_the_typed_retrieval_plan_and_eval_sections_take_the_schemas_keys():
     ret = props["retrieval"]["properties"]
     pairs = [(ret, RetrievalConfig), (ret["bm25"]["properties"], BM25Config), (ret["dense"]["properties"], DenseConfig),
              (ret["recall"]["properties"], RecallConfig), (props["plan"]["properties"], PlanConfig),
-             (props["eval"]["properties"], EvalConfig)]
+             (props["eval"]["properties"], EvalConfig), (props["teacher"]["properties"], TeacherConfig),
+             (props["teacher"]["properties"]["llm"]["properties"]["server"]["properties"], TeacherServerConfig)]
     for keys, cls in pairs:
         assert set(keys) == {f.name for f in dataclasses.fields(cls)}, cls.__name__
+        for f in dataclasses.fields(cls):
+            if "default" in keys[f.name]:
+                assert keys[f.name]["default"] == getattr(cls(), f.name), f"{cls.__name__}.{f.name}"
+    assert set(props["teacher"]["properties"]["kind"]["enum"]) == {"scripted", "llm"}
+    with pytest.raises(ConfigError, match="teacher.kind must be one of"):
+        TeacherConfig.from_dict({"kind": "human"})
+    with pytest.raises(ConfigError, match=r"unknown teacher.llm.server keys \['gpus'\]"):
+        TeacherConfig.from_dict({"kind": "llm", "llm": {"model": "m", "server": {"gpus": 2}}}).server
     assert set(ret["backend"]["enum"]) == {"bm25", "e5"}
     with pytest.raises(ConfigError, match=r"unknown retrieval.dense keys \['shards'\]"):
         RetrievalConfig.from_dict({"backend": "e5", "dense": {"shards": 4}})
@@ -210,3 +222,25 @@ def test_the_dense_index_the_planner_sizes_is_the_one_the_builder_builds():
     assert f"{built['batch_size']} x {built['max_length']} tokens" in job.phases["encode"]["batch"][1]
     search = _job(cfg, "train")
     assert f"search_block {built['search_block']:,} x" in search.host["search blocks"][1]
+
+
+def test_the_teachers_server_the_planner_sizes_is_the_one_the_step_starts():
+    """teacher.llm without its server's GPU share, length and parallelism (or its engine): the planned serving
+    share is the one teachers.llm.VLLMServer is started with from the same section (its command line)."""
+    from memopd.teachers.llm import VLLMServer, server_kwargs
+
+    cfg = _paper((("teacher", "llm", "server", "gpu_memory_utilization"), ("teacher", "llm", "server", "max_model_len"),
+                  ("teacher", "llm", "server", "tensor_parallel_size"), ("teacher", "llm", "engine")))
+    from memopd.inputs import ConfigError
+
+    with pytest.raises(ConfigError, match="teacher.llm.server.max_model_len: null"):  # gpt-oss's sizes state none
+        _job(cfg, "sft_trajectories")
+    cfg["plan"]["models"]["openai/gpt-oss-120b"]["max_position_embeddings"] = 131072
+    job = _job(cfg, "sft_trajectories")
+    started = VLLMServer("m", "log", **server_kwargs(cfg["teacher"]["llm"]["server"])).cmd
+    share = float(started[started.index("--gpu-memory-utilization") + 1])
+    assert job.phases["serving"]["vLLM engine"][0] / job.gpu_limit == pytest.approx(share)
+    assert "--max-model-len" not in started  # the model's own limit, as planned
+    assert any("KV of one 131072-token sequence" in what for what, _, _ in job.checks), job.checks
+    cfg["teacher"]["llm"]["url"] = "http://127.0.0.1:8000"  # a running server: nothing to start, nothing planned
+    assert "serving" not in _job(cfg, "sft_trajectories").phases

@@ -1,6 +1,6 @@
-"""The config's agent, rollout, retrieval, plan and eval sections as typed values, parsed once where a command
-starts. Importable without torch: the Snakefile imports it at parse time (workflow/rules/common.smk), and so do
-the planner and the commands before they load any model.
+"""The config's agent, rollout, retrieval, plan, eval and teacher sections as typed values, parsed once where a
+command starts. Importable without torch: the Snakefile imports it at parse time (workflow/rules/common.smk), and so
+do the planner and the commands before they load any model.
 
 Config keys keep their spelling (workflow/schemas/config.schema.yaml documents them); a field may be named for
 what it is where the key is ambiguous: `rollout.backend` is the generation engine (`RolloutConfig.engine`), not
@@ -280,6 +280,70 @@ class PlanConfig:
 def plan_config(cfg: dict) -> PlanConfig:
     """The `plan` section of a config (absent: every default); a ConfigError names a bad key."""
     return PlanConfig.from_dict(cfg.get("plan"))
+
+
+TEACHER_KINDS = ("scripted", "llm")  # teacher.kind: who plays the SFT trajectories
+LLM_ENGINES = ("server", "offline")  # teacher.llm.engine: a vLLM server (the default) or vLLM in the job's process
+
+
+@dataclass(frozen=True)
+class TeacherServerConfig:
+    """`teacher.llm.server`: the LLM teacher's vLLM server (teachers.llm.VLLMServer) and its client's limits. The
+    offline engine takes dtype, gpu_memory_utilization and max_model_len where the section sets them."""
+
+    port: int = 0  # 0: a free port
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9  # the server is alone on its GPUs
+    max_model_len: int | None = None  # None: the model's own limit
+    startup_timeout_s: float = 1800
+    max_concurrency: int = 64  # requests in flight from the client
+    request_timeout_s: float = 600
+    extra_args: tuple = ()
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "teacher.llm.server") -> "TeacherServerConfig":
+        d = _known(d, cls, key)
+        return cls(**{**d, "extra_args": tuple(d.get("extra_args") or ())})
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    """The `teacher` section: who plays the SFT trajectories, on which tasks, in how many jobs. Its `scripted` and
+    `llm` parts are the teachers' own configs (teachers.scripted.ScriptedConfig, teachers.llm.LLMConfig)."""
+
+    kind: str = "scripted"
+    benchmarks: tuple = ()  # results/benchmarks/{name}.parquet
+    max_tasks: int | None = None  # per benchmark; None: all
+    seed: int | None = None  # None: the global seed
+    reward: str = "f1"  # the trajectory filter's reward
+    batch_size: int | None = None  # None: rollout.batch_size
+    shards: int = 1  # jobs, each a contiguous slice of the tasks
+    chunk_tasks: int | None = None  # tasks per kept chunk inside a shard; None: the whole shard
+    scripted: dict = field(default_factory=dict)
+    llm: dict | None = None
+
+    def __post_init__(self):
+        if self.kind not in TEACHER_KINDS:
+            raise ConfigError(f"teacher.kind must be one of {TEACHER_KINDS}, not {self.kind!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "teacher") -> "TeacherConfig":
+        d = _known(d, cls, key)
+        return cls(**{**d, "benchmarks": tuple(d.get("benchmarks") or ()), "scripted": dict(d.get("scripted") or {})})
+
+    @property
+    def server(self) -> TeacherServerConfig | None:
+        """The vLLM server this step starts (an LLM teacher on the server engine without a url), else None."""
+        llm = self.llm or {}
+        if self.kind != "llm" or llm.get("engine", LLM_ENGINES[0]) != "server" or llm.get("url"):
+            return None
+        return TeacherServerConfig.from_dict(llm.get("server"))
+
+
+def teacher_config(cfg: dict) -> TeacherConfig:
+    """The `teacher` section of a config; a ConfigError names a bad key."""
+    return TeacherConfig.from_dict(section(cfg, "teacher"))
 
 
 MATCHED_DEFAULT_BENCHMARK = "q2_test"

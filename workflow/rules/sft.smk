@@ -3,7 +3,7 @@
 # loss of every model, and the packed-vs-padded SFT benchmark. Every job is an MLflow run.
 
 # which teacher played the trajectories: a column of results/tables/sft_data_stats.csv
-TRAJECTORY_TEACHER = config["teacher"]["kind"]
+TRAJECTORY_TEACHER = teacher_config(config).kind
 
 
 rule sft_examples:

@@ -1,8 +1,8 @@
-# SFT teacher trajectories (src/memopd/teachers/scripted.py, llm_teacher.py, trajectories.py): the configured
+# SFT teacher trajectories (src/memopd/teachers/scripted.py, llm.py, trajectories.py): the configured
 # teacher plays the benchmark tasks through the student's rollout loop; its episodes, in the student's
 # token ids, are the input of the SFT data step.
 
-TEACHER = config["teacher"]
+TEACHER = teacher_config(config)
 # the tokenizer that defines the ids: the student's (a tiny model's is results/models/tokenizer; a
 # pretrained student's is saved with its initial checkpoint)
 TEACHER_TOKENIZER = ("results/models/student_init/model.safetensors" if "pretrained" in config["models"]["student"]
@@ -12,12 +12,12 @@ TEACHER_TOKENIZER = ("results/models/student_init/model.safetensors" if "pretrai
 # One job per shard (teacher.shards), each a slice of the tasks sampled as in one run (teachers/shards.py); a
 # rerun of a preempted shard plays only the chunks (teacher.chunk_tasks) it had not written. The merge
 # writes the one file the SFT data step reads.
-TRAJECTORY_SHARDS = list(range(TEACHER.get("shards", 1)))
+TRAJECTORY_SHARDS = list(range(TEACHER.shards))
 
 
 rule sft_trajectories:
     input:
-        benchmarks=expand("results/benchmarks/{name}.parquet", name=TEACHER["benchmarks"]),
+        benchmarks=expand("results/benchmarks/{name}.parquet", name=TEACHER.benchmarks),
         index="results/retrieval/index",
         tokenizer=TEACHER_TOKENIZER,
         hub=HUB_MANIFEST,  # paper scale: the LLM teacher is prefetched (vllm serve opens its local snapshot)

@@ -118,12 +118,13 @@ def _retriever(job: Job, cfg: dict, copies: int = 1, building: bool = False) -> 
                                  f"{copies} x {queries} queries x search_block {block:,} x 17 B")
 
 
-def _vllm(job: Job, cfg: dict, phase: str, spec: Spec, util: float, max_len: int | None, tp: int = 1) -> float:
+def _vllm(job: Job, cfg: dict, phase: str, spec: Spec, util: float, max_len: int | None, tp: int = 1,
+          where: str = "rollout.vllm") -> float:
     """An engine's share of the GPU, checked against its weights and the KV cache of one sequence of max_len tokens
-    (None: the model's max_position_embeddings, the length vLLM takes by default)."""
+    (None: the model's max_position_embeddings, the length vLLM takes by default); `where` names its settings."""
     max_len = max_len or spec.max_positions
     if max_len is None:
-        raise ConfigError(f"rollout.vllm.max_model_len: null, and model {spec.name} states no max_position_embeddings:"
+        raise ConfigError(f"{where}.max_model_len: null, and model {spec.name} states no max_position_embeddings:"
                           " set it")
     g = job.gpu_limit
     job.add(phase, "vLLM engine", util * g, f"gpu_memory_utilization {util} x {g / GB:.0f} GB")

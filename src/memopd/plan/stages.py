@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from memopd.config import RULES, eval_config, plan_config, retrieval_config, rollout_config, trained_runs
+from memopd.config import (RULES, eval_config, plan_config, retrieval_config, rollout_config, teacher_config,
+                           trained_runs)
 from memopd.methods import method as method_spec
 from memopd.plan.jobs import Job, _common, _fsdp, _job, _resources, _retriever, _rollouts, _scoring, _vllm
 from memopd.plan.memory import (COMPARE_CHUNK, DIVERGENCE_BYTES, STATE_BYTES, TOKEN_BYTES, _rce_terms, act_per_token,
@@ -342,13 +343,12 @@ def plan_rollouts(cfg: dict) -> list[Job]:
               ro["batch_size"])
     _retriever(job, cfg)
     jobs = [job]
-    te = cfg["teacher"]
+    te = teacher_config(cfg)
     job = _job(cfg, "sft_trajectories")
-    if te["kind"] == "llm" and te["llm"].get("engine") == "server" and not te["llm"].get("url"):
-        sv = te["llm"]["server"]
+    if (sv := te.server) is not None:  # the vLLM server this job starts, at the settings it starts with
         _common(job, cfg, "serving")
-        _vllm(job, cfg, "serving", resolve(te["llm"]["model"], cfg), sv["gpu_memory_utilization"], sv["max_model_len"],
-              sv.get("tensor_parallel_size", 1))
+        _vllm(job, cfg, "serving", resolve(te.llm["model"], cfg), sv.gpu_memory_utilization, sv.max_model_len,
+              sv.tensor_parallel_size, where="teacher.llm.server")
         job.host["vLLM server process"] = (plan_config(cfg).process_gb * GB, "plan.process_gb")
     _retriever(job, cfg)
     return jobs + [job]

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memopd.agent.protocol import STOP_STRINGS, SYSTEM_PROMPT, Generation, budget_text, encode
+from memopd.config import LLM_ENGINES, TeacherServerConfig as Server
 from memopd.generation.backends import Sampling, VLLMBackend
 from memopd.teachers.scripted import split_prompt
 
@@ -47,16 +48,17 @@ class LLMConfig:
     """Config `teacher.llm`."""
 
     model: str = "openai/gpt-oss-120b"
-    engine: str = "server"  # server | offline
+    engine: str = LLM_ENGINES[0]  # server | offline
     prompt: str = "chat"  # chat | ids
     url: str | None = None  # an OpenAI-compatible server already running (skips starting one)
     reasoning_effort: str | None = "low"  # gpt-oss: low | medium | high; None: the model's default
     sampling: dict = field(default_factory=lambda: {"temperature": 1.0, "top_p": 1.0, "top_k": 0,
                                                     "max_new_tokens": 1024})
-    server: dict = field(default_factory=dict)  # see VLLMServer
+    server: dict = field(default_factory=dict)  # memopd.config.TeacherServerConfig's keys, as written
 
     def __post_init__(self):
-        if self.engine not in ("server", "offline") or self.prompt not in ("chat", "ids"):
+        Server.from_dict(self.server)  # an unknown key is refused, naming teacher.llm.server
+        if self.engine not in LLM_ENGINES or self.prompt not in ("chat", "ids"):
             raise ValueError(f"teacher.llm: engine must be server|offline, prompt chat|ids ({self.engine}, {self.prompt})")
         if self.engine == "offline" and self.prompt == "chat":
             raise ValueError("teacher.llm: the chat prompt needs the server (its reasoning parser and chat "
@@ -74,9 +76,11 @@ class VLLMServer:
     """`vllm serve MODEL` on 127.0.0.1 as a child process (own process group), ready when /health
     answers; a context manager that stops it (SIGTERM, then SIGKILL) on exit."""
 
-    def __init__(self, model: str, log_path: str | Path, seed: int = 0, port: int = 0, dtype: str = "auto",
-                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
-                 startup_timeout_s: float = 1800, extra_args: list[str] | None = None):
+    def __init__(self, model: str, log_path: str | Path, seed: int = 0, port: int = Server.port,
+                 dtype: str = Server.dtype, tensor_parallel_size: int = Server.tensor_parallel_size,
+                 gpu_memory_utilization: float = Server.gpu_memory_utilization,
+                 max_model_len: int | None = Server.max_model_len, startup_timeout_s: float = Server.startup_timeout_s,
+                 extra_args: list[str] | None = None):
         self.model, self.log_path, self.timeout = model, Path(log_path), startup_timeout_s
         self.port = port or free_port()
         # the job's own interpreter, not PATH (see the module docstring); the module the `vllm` script runs
@@ -167,8 +171,8 @@ class LLMTeacher:
 
     name = "llm"
 
-    def __init__(self, tokenizer, cfg: LLMConfig, url: str | None = None, max_concurrency: int = 64,
-                 request_timeout_s: float = 600, llm=None):
+    def __init__(self, tokenizer, cfg: LLMConfig, url: str | None = None, max_concurrency: int = Server.max_concurrency,
+                 request_timeout_s: float = Server.request_timeout_s, llm=None):
         self.tok, self.cfg, self.url = tokenizer, cfg, (url or cfg.url or "").rstrip("/")
         self.workers, self.timeout = max_concurrency, request_timeout_s
         self.offline = None

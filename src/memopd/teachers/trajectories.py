@@ -22,7 +22,7 @@ from memopd.agent.rollout import rollout
 from memopd.harness import digest, run_identity
 from memopd.teachers.shards import (Chunks, chunk_bounds, code_digest, concat_episode_files, episode_rows, shard_bounds)
 from memopd.teachers.scripted import ScriptedConfig, ScriptedTeacher, memory_claims
-from memopd.config import AgentConfig
+from memopd.config import AgentConfig, TeacherConfig, teacher_config
 from memopd.records import Episode, save_episodes
 
 def _metrics(x) -> dict:
@@ -107,19 +107,17 @@ def trajectories_step(cfg: dict, benchmarks: list[str], index: str, tokenizer_di
     from memopd.models import load_tokenizer
     from memopd.retrieval import load_retriever
 
-    tc = cfg["teacher"]
-    kind = tc["kind"]
-    if kind not in ("scripted", "llm"):
-        raise ValueError(f"teacher.kind must be 'scripted' or 'llm', not {kind!r}")
-    seed = seed if tc.get("seed") is None else int(tc["seed"])
-    limit = limit or tc.get("max_tasks")
+    tc = teacher_config(cfg)
+    kind = tc.kind
+    seed = seed if tc.seed is None else int(tc.seed)
+    limit = limit or tc.max_tasks
     tok = load_tokenizer(tokenizer_dir)
     tasks = _load(benchmarks, limit)
-    shards = int(tc.get("shards") or 1)
+    shards = tc.shards
     lo, hi = (0, len(tasks)) if shard is None else shard_bounds(len(tasks), shards, shard)
-    bounds = chunk_bounds(lo, hi, tc.get("chunk_tasks"))
-    agent = AgentConfig.from_dict(cfg["agent"], batch_size=tc.get("batch_size") or cfg["rollout"]["batch_size"],
-                                  reward=tc.get("reward", "f1"))
+    bounds = chunk_bounds(lo, hi, tc.chunk_tasks)
+    agent = AgentConfig.from_dict(cfg["agent"], batch_size=tc.batch_size or cfg["rollout"]["batch_size"],
+                                  reward=tc.reward)
     key = digest(run_identity(cfg, seed, {"index": index, "tokenizer": tokenizer_dir}, limit=limit, chunks=bounds,
                               code=code_digest(), tasks=[(t.task_id, t.questions, t.answers, t.benchmark)
                                                          for t in tasks[lo:hi]]))
@@ -147,7 +145,7 @@ def trajectories_step(cfg: dict, benchmarks: list[str], index: str, tokenizer_di
     episodes = [e for j in range(len(bounds)) for e in (fresh[j] if j in fresh else parts.load(j))]
     save_episodes(out, episodes)
     wall = sum(i["wall_s"] for i in infos)
-    stats = {"teacher": kind, "model": tc["llm"]["model"] if kind == "llm" else "scripted",
+    stats = {"teacher": kind, "model": tc.llm["model"] if kind == "llm" else "scripted",
              **summarize(episodes, tok if kind == "scripted" else None), **combine([i["extra"] for i in infos]),
              "benchmarks": by_benchmark([(e.metrics, [len(i.output_ids) for i in e.invocations]) for e in episodes]),
              "wall_s": wall, "episodes_per_s": len(episodes) / wall if wall else 0.0,
@@ -214,20 +212,21 @@ def combine(dicts: list[dict]) -> dict:
 
 
 @contextmanager
-def _teacher(kind: str, tc: dict, rollout_cfg: dict, tok, tasks, seed: int, server_log: str, start: bool = True):
+def _teacher(kind: str, tc: TeacherConfig, rollout_cfg: dict, tok, tasks, seed: int, server_log: str,
+             start: bool = True):
     """(backend, stats of the teacher) for the step's chunks; the LLM teacher's server runs meanwhile.
     Nothing starts when every chunk is already written (`start` false)."""
     if not start:
         yield None, {}
     elif kind == "scripted":
-        sc = dict(tc.get("scripted") or {})
+        sc = dict(tc.scripted)
         if sc.get("max_new_tokens") is None:  # the student's generation budget: it must be able to say it
             sc["max_new_tokens"] = rollout_cfg["max_new_tokens"]
         yield ScriptedTeacher(tok, tasks, ScriptedConfig(**sc)), {}  # all tasks: a shard finds its own as in one run
     else:
         from memopd.teachers.llm import LLMConfig, LLMTeacher, VLLMServer, server_kwargs
 
-        lc = LLMConfig(**tc["llm"])
+        lc = LLMConfig(**tc.llm)
         srv = dict(lc.server)
         client = {k: srv[k] for k in ("max_concurrency", "request_timeout_s") if srv.get(k) is not None}
         if lc.engine == "offline" or lc.url:
