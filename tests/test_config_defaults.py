@@ -59,15 +59,81 @@ def test_no_module_reads_a_typed_key_with_its_own_fallback():
     """A `.get("key", default)` of a key some typed section declares, in any module: the default is then spelled
     twice and may drift (each known exception says why it is not a typed section's key)."""
     keys, found = _typed_keys(), []
+    for rel, n in _gets():
+        if (n.args[0].value in keys and not (isinstance(n.args[1], ast.Constant) and n.args[1].value is None)
+                and not _names_a_typed_default(n.args[1]) and (rel, n.args[0].value) not in NOT_A_TYPED_SECTION):
+            found.append(f"{rel}:{n.lineno}: .get({n.args[0].value!r}, {ast.unparse(n.args[1])})")
+    assert not found, "\n".join(found)
+
+
+def _gets():
+    """(file, call) of every `.get("key", fallback)` in the library."""
     for path in sorted((ROOT / "src/memopd").rglob("*.py")):
         rel = str(path.relative_to(ROOT / "src/memopd"))
         for n in ast.walk(ast.parse(path.read_text())):
             if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get"
-                    and len(n.args) == 2 and isinstance(n.args[0], ast.Constant) and n.args[0].value in keys
-                    and not (isinstance(n.args[1], ast.Constant) and n.args[1].value is None)
-                    and not _names_a_typed_default(n.args[1])
-                    and (rel, n.args[0].value) not in NOT_A_TYPED_SECTION):
-                found.append(f"{rel}:{n.lineno}: .get({n.args[0].value!r}, {ast.unparse(n.args[1])})")
+                    and len(n.args) == 2 and isinstance(n.args[0], ast.Constant)):
+                yield rel, n
+
+
+def _schema_keys() -> set[str]:
+    """Every key name the config schema declares, at any depth."""
+    import yaml
+
+    keys: set[str] = set()
+
+    def walk(node):
+        if isinstance(node, dict):
+            for k, v in (node.get("properties") or {}).items():
+                keys.add(k)
+                walk(v)
+            for v in node.values():
+                if isinstance(v, (dict, list)):
+                    walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text()))
+    return keys
+
+
+def _literal_value(node: ast.AST) -> bool:
+    """A number, string or bool, or a container holding something: a value spelled here (None and an empty
+    container say "absent", a name points to where the value is declared)."""
+    if isinstance(node, ast.Constant):
+        return node.value is not None
+    return isinstance(node, (ast.List, ast.Tuple, ast.Set, ast.Dict)) and bool(
+        node.keys if isinstance(node, ast.Dict) else node.elts)
+
+
+# reads of a config key's name with a value of their own that are not the config's: (file, key) -> what they read
+NOT_THE_CONFIG = {
+    ("audit/batch.py", "top_p"): "a ledger's recorded sampling parameters (docs/ledger.md: absent = 1.0)",
+    ("audit/batch.py", "top_k"): "a ledger's recorded sampling parameters (docs/ledger.md: absent = 0)",
+    ("audit/packing_bench.py", "episodes"): "a result row's episode kind, 'synthetic' for the synthetic sweep's",
+    **{("audit/steps.py", k): "an episode file's recorded metadata, '?' when absent"
+       for k in ("benchmark", "rule", "invalid_action", "temperature", "max_new_tokens", "backend", "seed")},
+    ("models.py", "dtype"): "models.<role>.dtype, declared once in models.pretrained_dtype",
+    ("plan/jobs.py", "gpu"): "resources.rules.<step>.gpu over resources.default: no GPU when neither names one",
+    ("plan/stages.py", "gpu"): "resources.rules.<step>.gpu over resources.default: no GPU when neither names one",
+    ("plan/models.py", "params"): "a model's config.json or plan.models entry: 0 = count them from the shapes",
+    ("plan/models.py", "max_position_embeddings"): "an encoder's config.json (BERT's default length, 512)",
+    ("plan/report.py", "scale"): "the config's label in the plan's title, '?' when it names none",
+    ("prefetch.py", "model"): "teacher.llm.model: required when teacher.kind is llm; '' is no hub name",
+    ("report/commands.py", "benchmark"): "the training section's benchmark in a caption, '' when absent",
+    ("report/curves.py", "benchmark"): "the training section's benchmark in a caption, '?' when absent",
+    ("sft/trainer.py", "steps"): "sft.pretrain.<role>.steps: absent means no pre-training stage (0 steps), read here only",
+}
+
+
+def test_no_module_reads_a_config_key_with_a_value_of_its_own():
+    """Any key of the config schema read with a value spelled at the read (`.get("compose", "same_source")`): the
+    default then lives at each read and may drift; it is declared once (a typed section, a named constant) and the
+    reads name it. Each exception says why its read is not of the config."""
+    keys = _schema_keys()
+    found = [f"{rel}:{n.lineno}: {ast.unparse(n)}" for rel, n in _gets()
+             if n.args[0].value in keys and _literal_value(n.args[1]) and (rel, n.args[0].value) not in NOT_THE_CONFIG]
     assert not found, "\n".join(found)
 
 

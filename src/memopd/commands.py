@@ -15,7 +15,7 @@ RCE_KEYS = ("dtype", "backends", "episodes", "calls", "prefix_tokens", "observat
 
 def cmd_tokenizer(args, cfg):
     from memopd.data import corpus_texts
-    from memopd.models import train_tokenizer
+    from memopd.models import TOKENIZER_MIN_FREQUENCY, train_tokenizer
 
     require(cfg, "vocab_size")
     existing(args.data_dir)
@@ -24,7 +24,7 @@ def cmd_tokenizer(args, cfg):
         from memopd.agent.protocol import protocol_texts
 
         texts = itertools.chain(protocol_texts(), texts)
-    tok = train_tokenizer(texts, cfg["vocab_size"], args.out, cfg.get("min_frequency", 2))
+    tok = train_tokenizer(texts, cfg["vocab_size"], args.out, cfg.get("min_frequency", TOKENIZER_MIN_FREQUENCY))
     write_json(Path(args.out) / "memopd_tokenizer.json", {"config": cfg, "data_dir": args.data_dir, "size": len(tok)})
     print(f"tokenizer: {len(tok)} tokens -> {args.out}")
 
@@ -85,10 +85,11 @@ def cmd_rce(args, cfg):
 
 
 def cmd_tracking_init(args, cfg):
-    from memopd.tracking import init_store, resolve_uri
+    from memopd.tracking import TrackingConfig, init_store, resolve_uri
 
     require(cfg, "uri", "experiment")
-    info = init_store(resolve_uri(cfg["uri"], cfg.get("sqlite_in_slurm_jobs", False)), cfg["experiment"])
+    info = init_store(resolve_uri(cfg["uri"], cfg.get("sqlite_in_slurm_jobs", TrackingConfig.sqlite_in_slurm_jobs)),
+                      cfg["experiment"])
     write_json(args.out, {**info, "config": cfg})
     print(f"tracking store {info['tracking_uri']}: experiment {info['experiment']!r} (id {info['experiment_id']}); "
           f"in `mlflow ui`: http://127.0.0.1:5000/{info['ui_path']}")

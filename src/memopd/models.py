@@ -27,10 +27,16 @@ def pretrained_dtype(spec: dict) -> str:
     """The dtype a pretrained model (config models.<role> with `pretrained`) is loaded and stored in."""
     return spec.get("dtype", "bfloat16")
 TINY_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+# a tiny model's optional architecture keys (models.<role>.tiny) when the config leaves them out
+TINY_ARCH_DEFAULTS = {"max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False}
 BASE_KEYS = ("package", "version", "module", "file", "sha256")  # what packaged_model reads of models.base
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, min_frequency: int = 2):
+TOKENIZER_MIN_FREQUENCY = 2  # tokenizer.min_frequency: a pair merged only when seen this often
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path,
+                    min_frequency: int = TOKENIZER_MIN_FREQUENCY):
     """Train a byte-level BPE on `texts` (offline) and save it with `save_pretrained`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -80,9 +86,9 @@ def tiny_config(arch: dict, tokenizer):
         num_hidden_layers=arch["num_hidden_layers"],
         num_attention_heads=arch["num_attention_heads"],
         num_key_value_heads=arch["num_key_value_heads"],
-        max_position_embeddings=arch.get("max_position_embeddings", 4096),
-        rope_theta=arch.get("rope_theta", 10000.0),
-        tie_word_embeddings=arch.get("tie_word_embeddings", False),
+        max_position_embeddings=arch.get("max_position_embeddings", TINY_ARCH_DEFAULTS["max_position_embeddings"]),
+        rope_theta=arch.get("rope_theta", TINY_ARCH_DEFAULTS["rope_theta"]),
+        tie_word_embeddings=arch.get("tie_word_embeddings", TINY_ARCH_DEFAULTS["tie_word_embeddings"]),
         use_sliding_window=False,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -32,6 +32,7 @@ ENCODINGS_URL = "https://openaipublic.blob.core.windows.net/encodings/"
 ENCODINGS = {"o200k_base.tiktoken": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
              "cl100k_base.tiktoken": "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"}
 COMMIT = re.compile(r"[0-9a-f]{40}")  # a full commit hash: a branch or tag can move, a short hash can collide
+FETCH_REPO_TYPE = "dataset"  # a corpus entry's `fetch.repo_type` when it names none
 HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # org/name; results/... and absolute paths are local
 
 
@@ -61,7 +62,7 @@ def _places(cfg: dict):
     for e in ret["corpus"]:
         if "fetch" in e:  # one file of the repository, fetched (copied, gunzipped) into data_dir by fetch_corpus
             f = e["fetch"]
-            yield f.get("repo_type", "dataset"), f["repo"], [f["file"]], f, "repo"
+            yield f.get("repo_type", FETCH_REPO_TYPE), f["repo"], [f["file"]], f, "repo"
 
 
 def hub_repos(cfg: dict) -> list[dict]:

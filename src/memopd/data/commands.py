@@ -25,9 +25,10 @@ def cmd_kb(args, cfg):
 
 def cmd_fetch(args, cfg):
     from memopd.data.hub import fetch_file
+    from memopd.prefetch import FETCH_REPO_TYPE
 
     require(cfg, "repo", "file")
-    fetch_file(cfg["repo"], cfg["file"], args.out, repo_type=cfg.get("repo_type", "dataset"),
+    fetch_file(cfg["repo"], cfg["file"], args.out, repo_type=cfg.get("repo_type", FETCH_REPO_TYPE),
                revision=cfg.get("revision"))
     print(f"fetched {cfg['repo']}/{cfg['file']} -> {args.out}")
 

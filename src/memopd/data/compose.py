@@ -33,6 +33,8 @@ from memopd.data.loaders import QA, QA_PARSERS, DataConfigError, load_qa, resolv
 
 SPLITS = ("train", "dev", "test")
 COMPOSE_MODES = ("same_source", "mixed")
+# benchmarks.compose, .test_fraction and a source entry's pool when the config leaves them out
+COMPOSE_DEFAULT, TEST_FRACTION_DEFAULT, POOL_DEFAULT = "same_source", 0.3, "split"
 TASK_COLUMNS = ("task_id", "benchmark", "split", "n", "source", "question", "answer",
                 "questions", "answers", "qids", "sources", "evidence_titles")
 
@@ -55,7 +57,7 @@ class TaskSet:
 
 def task_sets(cfg: dict) -> list[TaskSet]:
     """The benchmark files a config asks for (also used by Snakemake to name the outputs)."""
-    mode = cfg.get("compose", "same_source")
+    mode = cfg.get("compose", COMPOSE_DEFAULT)
     qn_sources = tuple(cfg.get("qn", {}).get("sources", ()))
     out = [TaskSet(f"q{s['n']}", s["split"], int(s["n"]), int(s["tasks"]), qn_sources, mode)
            for s in cfg.get("qn", {}).get("sets", [])]
@@ -75,9 +77,9 @@ def check_config(cfg: dict, data_dir: str | Path) -> list[TaskSet]:
     sources = cfg.get("sources") or {}
     if not sources:
         errors.append("benchmarks.sources: no question source configured")
-    if cfg.get("compose", "same_source") not in COMPOSE_MODES:
+    if cfg.get("compose", COMPOSE_DEFAULT) not in COMPOSE_MODES:
         errors.append(f"benchmarks.compose: {cfg.get('compose')!r} is not one of {COMPOSE_MODES}")
-    tf = cfg.get("test_fraction", 0.3)
+    tf = cfg.get("test_fraction", TEST_FRACTION_DEFAULT)
     if not (isinstance(tf, (int, float)) and 0 < tf < 1):
         errors.append(f"benchmarks.test_fraction: {tf!r} must be in (0, 1)")
     for name, entries in sources.items():
@@ -85,7 +87,7 @@ def check_config(cfg: dict, data_dir: str | Path) -> list[TaskSet]:
             key = f"benchmarks.sources.{name}[{i}]"
             if e.get("format") not in QA_PARSERS:
                 errors.append(f"{key}.format: unknown format {e.get('format')!r} (known: {', '.join(QA_PARSERS)})")
-            if e.get("pool", "split") not in ("split", *SPLITS):
+            if e.get("pool", POOL_DEFAULT) not in ("split", *SPLITS):
                 errors.append(f"{key}.pool: {e.get('pool')!r} is not split, train, dev or test")
             if "path" in e:
                 try:
@@ -159,7 +161,7 @@ def load_source(name: str, entries: list[dict], data_dir: str | Path) -> list[tu
             from memopd.data.hub import load_qa_hub
 
             qas = load_qa_hub(e["name"], e.get("config"), e["split"], e["format"], f"{key}.name", e.get("revision"))
-        out += [(qa, e.get("pool", "split")) for qa in qas]
+        out += [(qa, e.get("pool", POOL_DEFAULT)) for qa in qas]
     return out
 
 
@@ -176,7 +178,7 @@ def load_pools(cfg: dict, data_dir: str | Path, seed: int) -> tuple[dict[str, di
             seen_text.add(key)
             seen_id.add(qa.qid)
             if where == "split":
-                where = "test" if _in_test(qa.qid, seed, cfg.get("test_fraction", 0.3)) else "train"
+                where = "test" if _in_test(qa.qid, seed, cfg.get("test_fraction", TEST_FRACTION_DEFAULT)) else "train"
             pool[where].append(qa)
         pools[name] = {s: sorted(v, key=lambda q: q.qid) for s, v in pool.items()}
     return pools, dropped

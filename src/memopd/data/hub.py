@@ -10,6 +10,7 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from memopd.atomic import atomic_path
+from memopd.prefetch import FETCH_REPO_TYPE
 from memopd.data.loaders import QA, QA_PARSERS, DataConfigError
 
 
@@ -31,7 +32,8 @@ def load_qa_hub(name: str, config: str | None, split: str, fmt: str, key: str = 
     return out
 
 
-def fetch_file(repo: str, filename: str, out: str, repo_type: str = "dataset", revision: str | None = None) -> None:
+def fetch_file(repo: str, filename: str, out: str, repo_type: str = FETCH_REPO_TYPE,
+               revision: str | None = None) -> None:
     """Download one file of a hub repository (e.g. the wiki-18 corpus of Search-R1 / MEM1,
     `PeterJinGo/wiki-18-corpus`, `wiki-18.jsonl.gz`) to `out`, gunzipped if it ends in .gz. Atomic."""
     import gzip

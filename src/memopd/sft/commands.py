@@ -108,7 +108,7 @@ def cmd_sft_lm_data(args, cfg):
     from memopd.records import save_episodes
     from memopd.retrieval.base import passage_text
     from memopd.retrieval.corpus import read_corpus
-    from memopd.sft.data import copy_examples, lm_examples
+    from memopd.sft.data import PRETRAIN_DEFAULTS, copy_examples, lm_examples
 
     require(cfg, "seq_len")
     existing(args.corpus, args.tokenizer)
@@ -117,11 +117,11 @@ def cmd_sft_lm_data(args, cfg):
     tok = load_tokenizer(args.tokenizer)
     texts = [passage_text(t, x) for t, x in zip(corpus["title"], corpus["text"])]
     ids = [x + [tok.eos_token_id] for x in tok(texts, add_special_tokens=False)["input_ids"]]
-    examples = lm_examples(ids, cfg["seq_len"], corpus["id"]) if pre.get("lm_text", True) else []
-    copy = pre.get("copy") or {}
-    copies = copy_examples([x[:-1] for x in ids], copy.get("per_text", 0), tuple(copy.get("span", (8, 48))),
+    examples = lm_examples(ids, cfg["seq_len"], corpus["id"]) if pre.get("lm_text", PRETRAIN_DEFAULTS["lm_text"]) else []
+    copy = {**PRETRAIN_DEFAULTS["copy"], **(pre.get("copy") or {})}
+    copies = copy_examples([x[:-1] for x in ids], copy["per_text"], tuple(copy["span"]),
                            tok("\n", add_special_tokens=False)["input_ids"], tok.eos_token_id, args.seed,
-                           copy.get("context", 1))
+                           copy["context"])
     save_episodes(args.out, examples + copies)
     stats = {"passages": len(texts), "lm_examples": len(examples), "copy_examples": len(copies),
              "lm_target_tokens": sum(len(x.invocations[0].output_ids) for x in examples),

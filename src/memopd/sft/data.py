@@ -219,8 +219,12 @@ def lm_examples(token_lists: list[list[int]], max_len: int, names: list[str] | N
     return out
 
 
+# sft.pretrain's text examples and copy curriculum when the config leaves them out: LM text on, no copies
+PRETRAIN_DEFAULTS = {"lm_text": True, "copy": {"per_text": 0, "span": (8, 48), "context": 1}}
+
+
 def copy_examples(token_lists: list[list[int]], per_text: int, span: tuple[int, int], sep: list[int], eos: int,
-                  seed: int, context: int = 1) -> list[Episode]:
+                  seed: int, context: int = PRETRAIN_DEFAULTS["copy"]["context"]) -> list[Episode]:
     """The copy curriculum: `per_text` examples per text, each a random span of span[0]..span[1] tokens of
     it followed by `sep` as context and the same span (+ eos) as target, so that the only way to lower
     the loss is to copy from the context (what the protocol asks at every turn: the question into the
