@@ -21,7 +21,7 @@ FLOOR = 1e-5
 BACKENDS = ["sdpa", "eager", "prefix_shared"]  # flex: covered by the RCE tests (its CPU compile costs ~10 s)
 AUDIT = {"model": "student", "teacher": "teacher", "benchmark": "q2_test", "episodes": 4, "rule": "full_retention",
          "rule_episodes": 2, "invalid_action": "continue", "temperature": 1.0, "max_new_tokens": 24,
-         "dtype": "float32", "clip": 0.2, "backends": BACKENDS, "threads": 1,
+         "dtype": "float32", "clip": 0.2, "backends": BACKENDS,
          "packing": {"repeats": 1, "backends": None,
                      "synthetic": {"calls": [3], "prefix_tokens": [16], "response_tokens": 6, "observation_tokens": 8,
                                    "model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from memopd.config import (AgentConfig, BM25Config, ColocatedEngineConfig, DenseConfig, EngineConfig, EvalConfig,
-                           PlanConfig, RecallConfig, RetrievalConfig, RolloutConfig, TeacherConfig, TeacherServerConfig,
-                           rollout_config)
+from memopd.config import (AgentConfig, AuditRollout, AuditScoring, BM25Config, ColocatedEngineConfig, DenseConfig,
+                           EngineConfig, EvalConfig, PackingAudit, PlanConfig, RecallConfig, RetrievalConfig,
+                           RolloutConfig, TeacherConfig, TeacherServerConfig, rollout_config)
 from memopd.sft.trainer import TrainConfig
 from memopd.train.config import PPO_FIELD_OF_KEY, RunConfig
 from memopd.train.update import PPOConfig
@@ -21,7 +21,7 @@ from memopd.train.update import PPOConfig
 ROOT = Path(__file__).resolve().parents[1]
 TYPED = (AgentConfig, RolloutConfig, EngineConfig, ColocatedEngineConfig, RunConfig, PPOConfig, TrainConfig,
          RetrievalConfig, BM25Config, DenseConfig, RecallConfig, PlanConfig, EvalConfig, TeacherConfig,
-         TeacherServerConfig)
+         TeacherServerConfig, AuditScoring, AuditRollout, PackingAudit)
 # reads of such a key name with a fallback that are not a typed section's: (file, key) -> why
 NOT_A_TYPED_SECTION = {
     ("audit/steps.py", "rule"): "an episode file's recorded metadata, '?' when absent",
@@ -58,10 +58,11 @@ def _names_a_typed_default(node: ast.AST) -> bool:
 def test_no_module_reads_a_typed_key_with_its_own_fallback():
     """A `.get("key", default)` of a key some typed section declares, in any module: the default is then spelled
     twice and may drift (each known exception says why it is not a typed section's key)."""
-    keys, found = _typed_keys(), []
+    keys, found, known = _typed_keys(), [], {**NOT_A_TYPED_SECTION, **NOT_THE_CONFIG}
     for rel, n in _gets():
         if (n.args[0].value in keys and not (isinstance(n.args[1], ast.Constant) and n.args[1].value is None)
-                and not _names_a_typed_default(n.args[1]) and (rel, n.args[0].value) not in NOT_A_TYPED_SECTION):
+                and not _names_a_typed_default(n.args[1]) and (rel, n.args[0].value) not in known
+                and not (isinstance(n.args[1], ast.Name) and n.args[1].id.isupper())):  # a declared constant
             found.append(f"{rel}:{n.lineno}: .get({n.args[0].value!r}, {ast.unparse(n.args[1])})")
     assert not found, "\n".join(found)
 
@@ -123,7 +124,7 @@ NOT_THE_CONFIG = {
     ("prefetch.py", "model"): "teacher.llm.model: required when teacher.kind is llm; '' is no hub name",
     ("report/commands.py", "benchmark"): "the training section's benchmark in a caption, '' when absent",
     ("report/curves.py", "benchmark"): "the training section's benchmark in a caption, '?' when absent",
-    ("sft/trainer.py", "steps"): "sft.pretrain.<role>.steps: absent means no pre-training stage (0 steps), read here only",
+    ("sft/trainer.py", "steps"): "sft.pretrain.<role>.steps: absent means no pre-training stage (0 steps), read here",
 }
 
 
@@ -310,3 +311,29 @@ def test_the_teachers_server_the_planner_sizes_is_the_one_the_step_starts():
     assert any("KV of one 131072-token sequence" in what for what, _, _ in job.checks), job.checks
     cfg["teacher"]["llm"]["url"] = "http://127.0.0.1:8000"  # a running server: nothing to start, nothing planned
     assert "serving" not in _job(cfg, "sft_trajectories").phases
+
+
+def test_the_audit_section_is_its_typed_parts():
+    """audit's keys are its scoring and rollout parts' fields, audit.packing's PackingAudit's; each part refuses an
+    unknown key and names a missing one (the tables' jobs get the scoring part only)."""
+    import yaml
+
+    from memopd.inputs import ConfigError
+
+    props = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())["properties"]["audit"]
+    names = {f.name for c in (AuditScoring, AuditRollout) for f in dataclasses.fields(c)}
+    assert set(props["properties"]) - {"teacher", "packing"} == names
+    assert set(props["properties"]["packing"]["properties"]) == {f.name for f in dataclasses.fields(PackingAudit)}
+    with pytest.raises(ConfigError, match="config section 'audit' has no 'clip'"):
+        AuditScoring.from_dict({"dtype": "float32", "backends": ["sdpa"]})
+    with pytest.raises(ConfigError, match=r"unknown audit keys \['episode'\]"):
+        AuditRollout.from_dict({"episode": 4})
+    whole = {"model": "m", "benchmark": "b", "episodes": 4, "rule_episodes": 2, "dtype": "float32", "clip": 0.2,
+             "backends": ["sdpa"], "teacher": "t", "packing": {}}  # each part takes its own keys of the section
+    assert AuditScoring.from_dict(whole) == AuditScoring("float32", 0.2, ("sdpa",))
+    assert AuditRollout.from_dict(whole).episodes == 4
+    with pytest.raises(ConfigError, match="config section 'audit.packing' has no 'repeats', 'real'"):
+        PackingAudit.from_dict({"synthetic": {}})
+    rollout = AuditRollout.from_dict({"model": "m", "benchmark": "b", "episodes": 4, "rule_episodes": 2,
+                                      "temperature": 0.0})
+    assert rollout.sampling() == {"temperature": 0.0}

@@ -9,7 +9,7 @@ an attention path or a retrieval index.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from memopd.inputs import ConfigError, section
 from memopd.methods import control_methods
@@ -248,7 +248,8 @@ class RetrievalConfig:
     def from_dict(cls, d: dict | None, key: str = "retrieval") -> "RetrievalConfig":
         d = _known(d, cls, key)
         return cls(**{**d, "corpus": tuple(d.get("corpus") or ()), "bm25": BM25Config.from_dict(d.get("bm25")),
-                      "dense": DenseConfig.from_dict(d.get("dense")), "recall": RecallConfig.from_dict(d.get("recall"))})
+                      "dense": DenseConfig.from_dict(d.get("dense")),
+                      "recall": RecallConfig.from_dict(d.get("recall"))})
 
 
 def retrieval_config(cfg: dict) -> RetrievalConfig:
@@ -344,6 +345,77 @@ class TeacherConfig:
 def teacher_config(cfg: dict) -> TeacherConfig:
     """The `teacher` section of a config; a ConfigError names a bad key."""
     return TeacherConfig.from_dict(section(cfg, "teacher"))
+
+
+def _required(d: dict, cls, key: str) -> dict:
+    """`d` once it holds every field of `cls` without a default; else a ConfigError naming the missing keys."""
+    if missing := [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+                   and f.name not in d]:
+        raise ConfigError(f"config section {key!r} has no {', '.join(map(repr, missing))}")
+    return d
+
+
+@dataclass(frozen=True)
+class AuditScoring:
+    """`audit.dtype`, `clip` and `backends`: how the audit tables score the episodes (each table's job gets these)."""
+
+    dtype: str
+    clip: float
+    backends: tuple
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "audit") -> "AuditScoring":
+        d = _required(_audit_part(d, cls, key), cls, key)
+        return cls(**{**d, "backends": tuple(d["backends"])})
+
+
+@dataclass(frozen=True)
+class AuditRollout:
+    """The `audit` keys of the audit episodes' rollout: which model plays which tasks, how many, how sampled."""
+
+    model: str
+    benchmark: str
+    episodes: int
+    rule_episodes: int
+    rule: str | None = None  # None: agent.rule
+    invalid_action: str | None = None  # None: agent.invalid_action
+    temperature: float | None = None  # None: rollout.temperature
+    max_new_tokens: int | None = None  # None: rollout.max_new_tokens
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "audit") -> "AuditRollout":
+        return cls(**_required(_audit_part(d, cls, key), cls, key))
+
+    def sampling(self) -> dict:
+        """The rollout's sampling overrides: temperature and max_new_tokens where set."""
+        return {k: v for k in ("temperature", "max_new_tokens") if (v := getattr(self, k)) is not None}
+
+
+AUDIT_KEYS = {f.name for c in (AuditScoring, AuditRollout) for f in fields(c)} | {"teacher", "packing"}
+
+
+def _audit_part(d: dict | None, cls, key: str) -> dict:
+    """The keys of `cls` in `d` (the audit section, or the part a job gets); a key of no part is refused."""
+    d = dict(d or {})
+    if unknown := set(d) - AUDIT_KEYS:
+        raise ConfigError(f"unknown {key} keys {sorted(unknown)}; known: {sorted(AUDIT_KEYS)}")
+    return {k: v for k, v in d.items() if k in {f.name for f in fields(cls)}}
+
+
+@dataclass(frozen=True)
+class PackingAudit:
+    """`audit.packing`: the packing-efficiency sweep (synthetic episodes) and the real audit episodes' timings."""
+
+    repeats: int
+    synthetic: dict  # audit.packing_bench's sweep keys over its defaults
+    real: dict  # {calls, episodes}
+    backends: tuple | None = None  # None: audit.backends
+    activation_checkpointing: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "audit.packing") -> "PackingAudit":
+        d = _required(_known(d, cls, key), cls, key)
+        return cls(**{**d, "backends": None if d.get("backends") is None else tuple(d["backends"])})
 
 
 MATCHED_DEFAULT_BENCHMARK = "q2_test"

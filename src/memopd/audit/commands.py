@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+from memopd.config import AuditRollout, AuditScoring, PackingAudit
 from memopd.evaluation.commands import agent_args
 from memopd.inputs import UsageError, existing, require, section
 from memopd.outputs import print_table, write_csv
@@ -24,8 +25,8 @@ def cmd_audit_rollouts(args, cfg):
     from memopd.config import agent_config
     from memopd.audit.steps import rollout_step
 
-    audit = section(cfg, "audit", "episodes")
-    if not (args.rule or audit.get("rule")):
+    audit = AuditRollout.from_dict(section(cfg, "audit"))
+    if not (args.rule or audit.rule):
         section(cfg, "agent", "rule")
     agent_config(cfg)
     existing(args.model, args.benchmark)
@@ -36,28 +37,28 @@ def cmd_audit_rollouts(args, cfg):
 def cmd_audit_alignment(args, cfg):
     from memopd.audit.steps import alignment_step
 
-    require(cfg, "dtype", "clip", "backends")
+    scoring = AuditScoring.from_dict(cfg)
     existing(args.model, args.episodes)
     _audit_threads(args)
-    print_table(alignment_step(cfg, args.model, args.episodes, args.out), args.out)
+    print_table(alignment_step(scoring, args.model, args.episodes, args.out), args.out)
 
 
 def cmd_audit_state_corruption(args, cfg):
     from memopd.audit.steps import state_corruption_step
 
-    require(cfg, "dtype", "clip")
+    scoring = AuditScoring.from_dict(cfg)
     existing(args.model, args.episodes)
     _audit_threads(args)
-    print_table(state_corruption_step(cfg, args.model, args.episodes, args.out), args.out)
+    print_table(state_corruption_step(scoring, args.model, args.episodes, args.out), args.out)
 
 
 def cmd_audit_teacher_divergence(args, cfg):
     from memopd.audit.steps import teacher_divergence_step
 
-    require(cfg, "dtype")
+    scoring = AuditScoring.from_dict(cfg)
     existing(args.teacher, args.episodes)
     _audit_threads(args)
-    print_table(teacher_divergence_step(cfg, args.teacher, args.episodes, args.out, args.figure), args.out)
+    print_table(teacher_divergence_step(scoring, args.teacher, args.episodes, args.out, args.figure), args.out)
 
 
 def cmd_audit_action_domain(args, cfg):
@@ -70,17 +71,17 @@ def cmd_audit_action_domain(args, cfg):
 def cmd_audit_context_updates(args, cfg):
     from memopd.audit.steps import context_updates_step
 
-    require(cfg, "dtype", "backends")
+    scoring = AuditScoring.from_dict(cfg)
     existing(args.model, *args.episodes)
     _audit_threads(args)
-    print_table(context_updates_step(cfg, args.model, args.episodes, args.out), args.out)
+    print_table(context_updates_step(scoring, args.model, args.episodes, args.out), args.out)
 
 
 def cmd_audit_packing(args, cfg):
     from memopd.audit.steps import packing_step
 
     require(cfg, "backends")
-    section(cfg, "packing", "synthetic", "repeats", "real")
+    PackingAudit.from_dict(section(cfg, "packing"))  # a missing or unknown key, named before any model loads
     existing(args.model, args.episodes)
     _audit_threads(args)
     rows = packing_step(cfg, args.model, args.episodes, args.out, args.figure, seed=args.seed)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from memopd.config import AuditRollout, AuditScoring, PackingAudit
 from memopd.progress import Progress
 from memopd.records import Episode, load_episodes, save_episodes
 from memopd.outputs import pyplot, save_figure, write_table
@@ -44,17 +45,17 @@ def rollout_step(cfg: dict, model_dir: str, benchmark: str, index: str, out: str
     from memopd.config import agent_config, rollout_config
     from memopd.retrieval import load_retriever
 
-    audit = cfg["audit"]
-    rule = rule or audit.get("rule") or cfg["agent"]["rule"]
-    limit = limit or audit["episodes"]
+    audit = AuditRollout.from_dict(cfg["audit"])
+    rule = rule or audit.rule or cfg["agent"]["rule"]
+    limit = limit or audit.episodes
     retriever = load_retriever(index)  # before the model: a missing index is refused at once
     torch.manual_seed(seed)
-    overrides = {k: audit[k] for k in ("temperature", "max_new_tokens") if audit.get(k) is not None}
+    overrides = audit.sampling()
     ro = rollout_config(cfg)
     backend, tok, _ = make_backend(ro, model_dir, seed=seed, **overrides)
     tasks = load_tasks(benchmark, limit=limit)
     agent = agent_config(cfg)
-    agent = replace(agent, rule=rule, invalid_action=audit.get("invalid_action") or agent.invalid_action)
+    agent = replace(agent, rule=rule, invalid_action=audit.invalid_action or agent.invalid_action)
     episodes = rollout(tasks, backend, tok, retriever, agent, seed=seed, label=f"audit rollout {rule}")
     out = Path(out)
     save_episodes(out, episodes)
@@ -132,21 +133,21 @@ def _orders(x: float, tol: float) -> str:
 # --- tables ---------------------------------------------------------------------------------------
 
 
-def alignment_step(cfg: dict, model_dir: str, episodes_path: str, out: str) -> list[dict]:
+def alignment_step(cfg: AuditScoring, model_dir: str, episodes_path: str, out: str) -> list[dict]:
     """Table 3: persistent history, batched independent calls and every packed backend vs each call run
     alone, at the sampled action tokens."""
     from memopd.audit.alignment import state_rows
     from memopd.rce import tolerances
 
     episodes, meta = read_episodes(episodes_path)
-    model = _load(model_dir, cfg["dtype"])
-    states = ["persistent_history", "independent_batched"] + [f"packed_{b}" for b in cfg["backends"]]
-    rows = state_rows(model, episodes, states, clip=cfg["clip"], dtype=cfg["dtype"])
-    tol = tolerances(cfg["dtype"])["dlogp"]  # this table scores the sampled tokens only (the |d log p| column)
+    model = _load(model_dir, cfg.dtype)
+    states = ["persistent_history", "independent_batched"] + [f"packed_{b}" for b in list(cfg.backends)]
+    rows = state_rows(model, episodes, states, clip=cfg.clip, dtype=cfg.dtype)
+    tol = tolerances(cfg.dtype)["dlogp"]  # this table scores the sampled tokens only (the |d log p| column)
     r = {x["state"]: x for x in rows}
     packed = [x for x in rows if x["state"].startswith("packed_")]
     worst = max(packed, key=lambda x: x["max_abs_dlogp"])
-    notes = [f"Finding: every packed backend at the {cfg['dtype']} floor (max |d log p| <= {tol:g}): "
+    notes = [f"Finding: every packed backend at the {cfg.dtype} floor (max |d log p| <= {tol:g}): "
              f"{'yes' if all(x['at_floor'] for x in packed) else 'NO'} (worst {worst['state']} "
              f"{worst['max_abs_dlogp']:.2e}); persistent history max |d log p| "
              f"{r['persistent_history']['max_abs_dlogp']:.3g}, "
@@ -158,21 +159,21 @@ def alignment_step(cfg: dict, model_dir: str, episodes_path: str, out: str) -> l
              f"{worst['p99_abs_dlogp']:.2e} worst)."]
     caption = (f"Alignment audit: |d log p| of the sampled action tokens vs each call run alone "
                f"(p99, max, mean over tokens), top-1 changes at action positions, false PPO clip rate "
-               f"(ratio outside [1-{cfg['clip']}, 1+{cfg['clip']}] with identical weights). Model {meta['model']} "
-               f"scored in {cfg['dtype']} on {_device()} (packed rows: backend named{_flex_note(cfg['backends'])}; "
+               f"(ratio outside [1-{cfg.clip}, 1+{cfg.clip}] with identical weights). Model {meta['model']} "
+               f"scored in {cfg.dtype} on {_device()} (packed rows: backend named{_flex_note(list(cfg.backends))}; "
                f"persistent history and references: sdpa); episodes: {describe(meta)}.")
     write_table(rows, out, caption, notes=notes)
     return rows
 
 
-def state_corruption_step(cfg: dict, model_dir: str, episodes_path: str, out: str) -> list[dict]:
+def state_corruption_step(cfg: AuditScoring, model_dir: str, episodes_path: str, out: str) -> list[dict]:
     """The exact state vs deliberate corruptions of it: visibility only, positions only, both."""
     from memopd.audit.alignment import state_rows
 
     episodes, meta = read_episodes(episodes_path)
-    model = _load(model_dir, cfg["dtype"])
+    model = _load(model_dir, cfg.dtype)
     rows = state_rows(model, episodes, ["packed_sdpa", "corrupt_visibility", "corrupt_positions", "corrupt_both"],
-                      clip=cfg["clip"], dtype=cfg["dtype"])
+                      clip=cfg.clip, dtype=cfg.dtype)
     for row in rows:
         row["state"] = {"packed_sdpa": "exact (packed_sdpa)"}.get(row["state"], row["state"])
     r = {x["state"]: x for x in rows}
@@ -187,18 +188,19 @@ def state_corruption_step(cfg: dict, model_dir: str, episodes_path: str, out: st
              f"{PAPER['positions_false_clip']}; here {pos['top1_changes']} and {pos['false_clip_rate']:.4f}.",
              "corrupt_both (running positions and plain causal visibility) is the persistent-history layout."]
     caption = (f"State corruption: the exact packed state and deliberate corruptions of it, scored against each "
-               f"call run alone (columns as in the alignment audit). Model {meta['model']} in {cfg['dtype']} on "
+               f"call run alone (columns as in the alignment audit). Model {meta['model']} in {cfg.dtype} on "
                f"{_device()}, sdpa with dense masks; episodes: {describe(meta)}.")
     write_table(rows, out, caption, notes=notes)
     return rows
 
 
-def teacher_divergence_step(cfg: dict, teacher_dir: str, episodes_path: str, out: str, figure: str) -> list[dict]:
+def teacher_divergence_step(cfg: AuditScoring, teacher_dir: str, episodes_path: str, out: str,
+                            figure: str) -> list[dict]:
     """The teacher scored on the persistent flattening vs the exact state, by invocation index."""
     from memopd.audit.alignment import teacher_divergence
 
     episodes, meta = read_episodes(episodes_path)
-    teacher = _load(teacher_dir, cfg["dtype"])
+    teacher = _load(teacher_dir, cfg.dtype)
     rows = teacher_divergence(teacher, episodes)
     r = {x["invocation"]: x for x in rows}
     notes = []
@@ -210,7 +212,7 @@ def teacher_divergence_step(cfg: dict, teacher_dir: str, episodes_path: str, out
                      f"mean KL {a['mean_kl']:.3g} nats, {a['top1_changes']} teacher top-1 changes (paper, "
                      f"{PAPER['teacher']}: top-1 agreement {PAPER['teacher_top1_agreement']}, p99 "
                      f"{PAPER['teacher_p99']}, mean KL {PAPER['teacher_kl']}, {PAPER['teacher_top1']} top-1 changes).")
-    caption = (f"Teacher divergence: teacher {Path(teacher_dir).name} ({cfg['dtype']}, {_device()}, sdpa) scored at "
+    caption = (f"Teacher divergence: teacher {Path(teacher_dir).name} ({cfg.dtype}, {_device()}, sdpa) scored at "
                f"the sampled action tokens on the persistent-history flattening vs the exact state; by invocation "
                f"index, then before/after the first memory update (call 0 / calls >= 1); mean_kl = KL(exact || "
                f"flattened) per token in nats. Episodes: {describe(meta)}.")
@@ -282,7 +284,7 @@ def action_domain_step(cfg: dict, episodes_path: str, out: str) -> list[dict]:
     return rows
 
 
-def context_updates_step(cfg: dict, model_dir: str, episode_paths: list[str], out: str) -> list[dict]:
+def context_updates_step(cfg: AuditScoring, model_dir: str, episode_paths: list[str], out: str) -> list[dict]:
     """RCE per memory-rewrite rule (one episode file per rule) and backend."""
     from memopd.audit.alignment import context_update_rows
     from memopd.rce import tolerances
@@ -292,10 +294,10 @@ def context_updates_step(cfg: dict, model_dir: str, episode_paths: list[str], ou
         eps, meta = read_episodes(p)
         by_rule[meta["rule"]] = eps
         metas.append(meta)
-    model = _load(model_dir, cfg["dtype"])
+    model = _load(model_dir, cfg.dtype)
     rows, bar = [], Progress("audit context-updates", len(by_rule), "rules")
     for rule, eps in by_rule.items():  # a rule at a time: a line each
-        rows += context_update_rows(model, {rule: eps}, cfg["backends"], dtype=cfg["dtype"])
+        rows += context_update_rows(model, {rule: eps}, list(cfg.backends), dtype=cfg.dtype)
         bar.update(1, note=rule)
     bar.close()
     calls = {m["rule"]: (m["calls"], m["retained_tokens"]) for m in metas}
@@ -303,17 +305,17 @@ def context_updates_step(cfg: dict, model_dir: str, episode_paths: list[str], ou
         row["calls"], row["retained_tokens"] = calls[row["rule"]]
     order = ["rule", "backend", "episodes", "calls", "memory_updates", "retained_tokens"]
     rows = [{**{k: row[k] for k in order}, **{k: v for k, v in row.items() if k not in order}} for row in rows]
-    tol = tolerances(cfg["dtype"])
+    tol = tolerances(cfg.dtype)
     gate = f"max |d log p| <= {tol['dlogp']:g} and full-vocabulary max |d logit| <= {tol['dlogit']:g}"
     failed = [f"{x['rule']}/{x['backend']}" for x in rows if not x["passed"]]
-    notes = [f"Finding: {len(rows) - len(failed)} of {len(rows)} (rule, backend) pairs at the {cfg['dtype']} floor "
+    notes = [f"Finding: {len(rows) - len(failed)} of {len(rows)} (rule, backend) pairs at the {cfg.dtype} floor "
              f"({gate})" + (f"; failed: {', '.join(failed)}" if failed else "") + "; worst max |d log p| "
              f"{max(x['max_abs_dlogp'] for x in rows):.2e}, worst max |d logit| "
              f"{max(x['max_abs_dlogit'] for x in rows):.2e} (paper: every rule at the numerical floor)."]
     m = metas[0]
     caption = (f"Context updates: RCE (packed vs each call run alone) per memory-rewrite rule and backend; passed = "
-               f"{gate} ({cfg['dtype']} tolerances). Model "
-               f"{Path(model_dir).name} scored in {cfg['dtype']} on {_device()}{_flex_note(cfg['backends'])}; "
+               f"{gate} ({cfg.dtype} tolerances). Model "
+               f"{Path(model_dir).name} scored in {cfg.dtype} on {_device()}{_flex_note(list(cfg.backends))}; "
                f"per rule: "
                f"{m['episodes']} {m['benchmark']} trajectories rolled out by {m['model']} (invalid_action "
                f"{m.get('invalid_action', '?')}, temperature {m.get('temperature', '?')}, max_new_tokens "
@@ -329,19 +331,19 @@ def packing_step(cfg: dict, model_dir: str, episodes_path: str, out: str, figure
     from memopd.audit.packing_bench import DEFAULTS, run_real, run_sweep, summarize
     from memopd.rce import tolerances
 
-    pk = cfg["packing"]
-    backends = pk.get("backends") or cfg["backends"]
-    syn = {**{k: v for k, v in pk["synthetic"].items()}, "backends": backends}
-    rows = run_sweep(syn, seed=seed, repeats=pk["repeats"])
+    pk = PackingAudit.from_dict(cfg["packing"])
+    backends = list(pk.backends or cfg["backends"])
+    syn = {**pk.synthetic, "backends": backends}
+    rows = run_sweep(syn, seed=seed, repeats=pk.repeats)
     episodes, meta = read_episodes(episodes_path)
     model = _load(model_dir, "float32")
-    if pk.get("activation_checkpointing"):  # one episode's activations would not fit (memopd.plan)
+    if pk.activation_checkpointing:  # one episode's activations would not fit (memopd.plan)
         from memopd.parallel import checkpoint_activations
 
         model = checkpoint_activations(model)
-    real = pk["real"]
+    real = pk.real
     rows += run_real(model, episodes, calls=real["calls"], n_episodes=real["episodes"], backends=backends,
-                     repeats=pk["repeats"])
+                     repeats=pk.repeats)
     for line in summarize(rows):
         print(line)
     syn = {**DEFAULTS, **syn}
@@ -351,7 +353,7 @@ def packing_step(cfg: dict, model_dir: str, episodes_path: str, out: str, figure
                                                              "prefix [128, 256, 512]) exceed the embedded time budget; "
                                                              "set audit.packing.synthetic for the full sweep"))
     m, tol = syn["model"], tolerances("float32")
-    caption = (f"Packing efficiency: {pk['repeats']} timed repeat(s) after a warm-up, the paths interleaved in every "
+    caption = (f"Packing efficiency: {pk.repeats} timed repeat(s) after a warm-up, the paths interleaved in every "
                f"repeat; median seconds, and the median per-repeat speedup vs independent calls batched with padding "
                f"with its 95% bootstrap interval (speedup_lo, speedup_hi); `packed_auto` is memopd.cost's pick per pack "
                f"(auto_chose); token ratio R = independent tokens / packed tokens, FLOP "
@@ -365,7 +367,7 @@ def packing_step(cfg: dict, model_dir: str, episodes_path: str, out: str, figure
                f"first {real['episodes']} audit episodes with >= T calls cut to their first T calls, T in "
                f"{real['calls']}, scored by {Path(model_dir).name}, one episode at a time"
                + (", forward+backward with activation checkpointing (prefix_shared: forward only)"
-                  if pk.get("activation_checkpointing") else "") + f"; episodes: {describe(meta)}.")
+                  if pk.activation_checkpointing else "") + f"; episodes: {describe(meta)}.")
     write_table(rows, out, caption, notes=["Best exact packed path per configuration: "] + summarize(rows))
     _packing_figure(rows, figure)
     return rows
