@@ -673,6 +673,7 @@ def test_a_runs_identity_is_its_typed_section():
     assert _identity(train, "ppo") != _identity(other, "ppo")
     own = _train(per_method={"memopd": {"ppo": {"opd_coef": 3.0}}})
     assert _identity(train) != _identity(own)
+    assert _identity(train, "memopd") != _identity(train, "memopd_persistent")  # same settings, another method
 
 
 def test_a_training_run_prints_its_progress_with_the_time_left(setup, tmp_path, capsys):
