@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from memopd.config import (AgentConfig, AuditRollout, AuditScoring, BM25Config, ColocatedEngineConfig, DenseConfig,
-                           EngineConfig, EvalConfig, PackingAudit, PlanConfig, RecallConfig, RetrievalConfig,
-                           RolloutConfig, TeacherConfig, TeacherServerConfig, rollout_config)
+from memopd.config import (AgentConfig, AuditRollout, AuditScoring, BenchmarksConfig, BM25Config, ColocatedEngineConfig,
+                           DenseConfig, EngineConfig, EvalConfig, PackingAudit, PlanConfig, QASourceConfig, QnConfig,
+                           QnSetConfig, RecallConfig, RetrievalConfig, RolloutConfig, TeacherConfig,
+                           TeacherServerConfig, WikiRagConfig, rollout_config)
 from memopd.sft.trainer import TrainConfig
 from memopd.train.config import PPO_FIELD_OF_KEY, RunConfig
 from memopd.train.update import PPOConfig
@@ -21,7 +22,8 @@ from memopd.train.update import PPOConfig
 ROOT = Path(__file__).resolve().parents[1]
 TYPED = (AgentConfig, RolloutConfig, EngineConfig, ColocatedEngineConfig, RunConfig, PPOConfig, TrainConfig,
          RetrievalConfig, BM25Config, DenseConfig, RecallConfig, PlanConfig, EvalConfig, TeacherConfig,
-         TeacherServerConfig, AuditScoring, AuditRollout, PackingAudit)
+         TeacherServerConfig, AuditScoring, AuditRollout, PackingAudit, BenchmarksConfig, QASourceConfig, QnConfig,
+         QnSetConfig, WikiRagConfig)
 # reads of such a key name with a fallback that are not a typed section's: (file, key) -> why
 NOT_A_TYPED_SECTION = {
     ("audit/steps.py", "rule"): "an episode file's recorded metadata, '?' when absent",
@@ -40,7 +42,6 @@ NOT_A_TYPED_SECTION = {
     ("models.py", "dtype"): "models.<role>.dtype, declared once in models.pretrained_dtype",
     ("config.py", "engine"): "teacher.llm.engine: LLM_ENGINES[0], the constant teachers.llm.LLMConfig's default is",
     ("prefetch.py", "model"): "teacher.llm.model: the LLM teacher's model, a required key when kind is llm",
-    ("data/compose.py", "sources"): "benchmarks.qn.sources, not retrieval.recall.sources",
 }
 
 
@@ -228,16 +229,20 @@ def test_the_typed_engines_take_only_the_keys_the_schema_declares():
 
 
 def test_the_typed_sections_take_the_schemas_keys_and_defaults():
-    """retrieval (and its bm25, dense, recall), plan, eval, teacher and its LLM's server: the schema's keys are the
+    """benchmarks (and its sources, qn, wiki_rag), retrieval (and its bm25, dense, recall), plan, eval, teacher and
+    its LLM's server: the schema's keys are the
     dataclasses' fields and the defaults it states theirs; an unknown key is refused naming its place, and a value
     outside the schema's enum too."""
     import yaml
 
     from memopd.inputs import ConfigError
 
-    props = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())["properties"]
+    schema = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
+    props, bench = schema["properties"], schema["properties"]["benchmarks"]["properties"]
     ret = props["retrieval"]["properties"]
-    pairs = [(ret, RetrievalConfig), (ret["bm25"]["properties"], BM25Config), (ret["dense"]["properties"], DenseConfig),
+    pairs = [(bench, BenchmarksConfig), (schema["$defs"]["qa_source"]["properties"], QASourceConfig),
+             (bench["qn"]["properties"], QnConfig), (bench["qn"]["properties"]["sets"]["items"]["properties"], QnSetConfig),
+             (bench["wiki_rag"]["properties"], WikiRagConfig), (ret, RetrievalConfig), (ret["bm25"]["properties"], BM25Config), (ret["dense"]["properties"], DenseConfig),
              (ret["recall"]["properties"], RecallConfig), (props["plan"]["properties"], PlanConfig),
              (props["eval"]["properties"], EvalConfig), (props["teacher"]["properties"], TeacherConfig),
              (props["teacher"]["properties"]["llm"]["properties"]["server"]["properties"], TeacherServerConfig)]
@@ -260,6 +265,10 @@ def test_the_typed_sections_take_the_schemas_keys_and_defaults():
         PlanConfig.from_dict({"gpu_gb": 80})
     with pytest.raises(ConfigError, match=r"unknown eval keys \['tasks'\]"):
         EvalConfig.from_dict({"tasks": 10})
+    with pytest.raises(ConfigError, match=r"unknown benchmarks.sources.nq\[1\] keys \['file'\]"):
+        BenchmarksConfig.from_dict({"sources": {"nq": [{"format": "nq_open", "path": "a"}, {"file": "b"}]}})
+    with pytest.raises(ConfigError, match=r"benchmarks.qn.sets\[0\]: missing tasks"):
+        BenchmarksConfig.from_dict({"qn": {"sets": [{"n": 2, "split": "test"}]}})
 
 
 def test_an_eval_setting_per_benchmark_resolves_by_name_then_default():

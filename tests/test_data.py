@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from memopd.data import corpus_texts
+from memopd.config import BenchmarksConfig
 from memopd.data.compose import compose, load_pools, read_tasks, task_sets, write
 from memopd.data.loaders import (DataConfigError, DataFormatError, MissingDataError, iter_passages, load_qa)
 from memopd.data.steps import build_benchmarks
@@ -30,7 +31,7 @@ def bench_cfg():
 
 @pytest.fixture(scope="module")
 def composed(bench_cfg):
-    return compose(bench_cfg, DATA, seed=1234, log=lambda *a: None)
+    return compose(BenchmarksConfig.from_dict(bench_cfg), DATA, seed=1234, log=lambda *a: None)
 
 
 # ------------------------------------------------------------------------------------------- loaders
@@ -204,7 +205,7 @@ def test_failure_while_writing_leaves_no_partial_output(composed, tmp_path, monk
 def test_tasks_respect_n_and_carry_aliases(composed, bench_cfg):
     rows, _ = composed
     assert set(rows) == {"q2_train", "q2_test", "q8_test", "q16_test", "wikirag_train", "wikirag_test"}
-    for ts in task_sets(bench_cfg):
+    for ts in task_sets(BenchmarksConfig.from_dict(bench_cfg)):
         tasks = rows[ts.name]
         assert len(tasks) == ts.tasks
         for t in tasks:
@@ -230,17 +231,17 @@ def test_train_and_test_pools_are_disjoint(composed):
 
 
 def test_composition_is_deterministic(bench_cfg, composed):
-    again = compose(bench_cfg, DATA, seed=1234, log=lambda *a: None)
+    again = compose(BenchmarksConfig.from_dict(bench_cfg), DATA, seed=1234, log=lambda *a: None)
     assert again == composed
-    other = compose(bench_cfg, DATA, seed=99, log=lambda *a: None)
+    other = compose(BenchmarksConfig.from_dict(bench_cfg), DATA, seed=99, log=lambda *a: None)
     assert other[0]["q2_test"] != composed[0]["q2_test"]
 
 
 def test_split_does_not_depend_on_file_order(bench_cfg):
     cfg = copy.deepcopy(bench_cfg)
     cfg["sources"]["hotpotqa"] = cfg["sources"]["hotpotqa"][::-1]
-    a, _ = load_pools(bench_cfg, DATA, 7)
-    b, _ = load_pools(cfg, DATA, 7)
+    a, _ = load_pools(BenchmarksConfig.from_dict(bench_cfg), DATA, 7)
+    b, _ = load_pools(BenchmarksConfig.from_dict(cfg), DATA, 7)
     assert {s: {k: [q.qid for q in v] for k, v in p.items()} for s, p in a.items()} == \
            {s: {k: [q.qid for q in v] for k, v in p.items()} for s, p in b.items()}
     # the official-layout file is train-only (pool: train)
@@ -251,7 +252,7 @@ def test_split_does_not_depend_on_file_order(bench_cfg):
 def test_mixed_composition_interleaves_sources(bench_cfg):
     cfg = _cfg_with(bench_cfg, compose="mixed")
     cfg["qn"]["sets"] = [{"n": 2, "split": "test", "tasks": 20}, {"n": 3, "split": "test", "tasks": 20}]
-    rows, stats = compose(cfg, DATA, seed=5, log=lambda *a: None)
+    rows, stats = compose(BenchmarksConfig.from_dict(cfg), DATA, seed=5, log=lambda *a: None)
     for t in rows["q2_test"]:
         assert sorted(t["sources"]) == ["hotpotqa", "nq"] and t["source"] == "mixed"
     counts = [t["sources"].count("hotpotqa") for t in rows["q3_test"]]
@@ -272,3 +273,14 @@ def test_stats_and_written_files_agree(composed, tmp_path):
         b, s = name.split("_")
         assert table[(b, s, "all")] == (len(tasks), sum(t["n"] for t in tasks))
         assert json.loads(pq.read_schema(tmp_path / "out" / f"{name}.parquet").metadata[b"memopd"])["seed"] == 1234
+
+
+def test_keys_left_out_take_the_defaults_the_config_documents(bench_cfg, composed):
+    """config/config.yaml states `test_fraction: 0.3` and `compose: same_source` and leaves most `pool`s out (split,
+    its comment says): the reverse config, those two left out and every pool stated, composes the same tasks."""
+    cfg = copy.deepcopy(bench_cfg)
+    assert (cfg.pop("test_fraction"), cfg.pop("compose")) == (0.3, "same_source")
+    for entries in cfg["sources"].values():
+        for e in entries:
+            e.setdefault("pool", "split")
+    assert compose(BenchmarksConfig.from_dict(cfg), DATA, seed=1234, log=lambda *a: None) == composed

@@ -92,12 +92,13 @@ def test_the_tokenizer_corpus_reads_the_listed_files_only(tmp_path):
 
 
 def test_dev_pool_composes_dev_tasks_apart_from_train_and_test(tmp_path):
+    from memopd.config import BenchmarksConfig
     from memopd.data.compose import compose
 
     write(CFG, 5, tmp_path)
     cfg = {"sources": {"kb": [{"format": "nq_oracle", "path": f"{p}.jsonl", "pool": p} for p in ("train", "dev", "test")]},
            "qn": {"sources": ["kb"], "sets": [{"n": 2, "split": s, "tasks": 6} for s in ("train", "dev", "test")]}}
-    rows, stats = compose(cfg, tmp_path, seed=1, log=lambda *a: None)
+    rows, stats = compose(BenchmarksConfig.from_dict(cfg), tmp_path, seed=1, log=lambda *a: None)
     pool_of = {q.qid: p for p in ("train", "dev", "test") for q in load_qa(tmp_path / f"{p}.jsonl", "nq_oracle")}
     for split in ("train", "dev", "test"):  # every question of a set comes from its own pool's file
         assert {pool_of[q] for t in rows[f"q2_{split}"] for q in t["qids"]} == {split}
@@ -105,4 +106,4 @@ def test_dev_pool_composes_dev_tasks_apart_from_train_and_test(tmp_path):
     # without a dev source a dev set has no questions to draw: a config error naming it
     cfg["sources"]["kb"] = [e for e in cfg["sources"]["kb"] if e["pool"] != "dev"]
     with pytest.raises(ValueError, match="q2_dev"):
-        compose(cfg, tmp_path, seed=1, log=lambda *a: None)
+        compose(BenchmarksConfig.from_dict(cfg), tmp_path, seed=1, log=lambda *a: None)

@@ -1,4 +1,4 @@
-"""The config's agent, rollout, retrieval, plan, eval and teacher sections as typed values, parsed once where a
+"""The config's agent, rollout, benchmarks, retrieval, plan, eval and teacher sections as typed values, parsed once where a
 command starts. Importable without torch: the Snakefile imports it at parse time (workflow/rules/common.smk), and so
 do the planner and the commands before they load any model.
 
@@ -170,6 +170,90 @@ def agent_config(cfg: dict, **overrides) -> AgentConfig:
         return AgentConfig.from_dict(section(cfg, "agent"), **{"batch_size": batch, **overrides})
     except (TypeError, ValueError) as e:  # an unknown key, or a field without a value
         raise ConfigError(f"config section 'agent': {e}") from None
+
+
+SPLITS = ("train", "dev", "test")  # the question pools (memopd.data.compose)
+COMPOSE_MODES = ("same_source", "mixed")  # benchmarks.compose: n questions of one data set, or interleaved
+
+
+@dataclass(frozen=True)
+class QASourceConfig:
+    """One entry of `benchmarks.sources.<name>`: a question file under data_dir (`path`) or a hub data set (`name`,
+    `split`, paper scale). Values are checked where the benchmarks are composed, each error naming its entry."""
+
+    format: str | None = None  # memopd.data.loaders.QA_PARSERS
+    path: str | None = None
+    name: str | None = None
+    config: str | None = None
+    split: str | None = None
+    revision: str | None = None
+    pool: str = "split"  # split: train or test by a seeded hash of the question id; else that pool whole
+
+    @classmethod
+    def from_dict(cls, d: dict, key: str) -> "QASourceConfig":
+        return cls(**_known(d, cls, key))
+
+
+@dataclass(frozen=True)
+class QnSetConfig:
+    """One `benchmarks.qn.sets` entry: `tasks` tasks of `n` questions from the `split` pool."""
+
+    n: int
+    split: str
+    tasks: int
+
+
+@dataclass(frozen=True)
+class QnConfig:
+    """`benchmarks.qn`: the multi-question task sets (Q2, Q8, Q16) and the sources they draw from."""
+
+    sources: tuple[str, ...] = ()
+    sets: tuple[QnSetConfig, ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "benchmarks.qn") -> "QnConfig":
+        d = _known(d, cls, key)
+        sets = []
+        for i, s in enumerate(d.get("sets") or ()):
+            s = _known(s, QnSetConfig, f"{key}.sets[{i}]")
+            if missing := [f.name for f in fields(QnSetConfig) if f.name not in s]:
+                raise ConfigError(f"{key}.sets[{i}]: missing {', '.join(missing)}")
+            sets.append(QnSetConfig(int(s["n"]), s["split"], int(s["tasks"])))
+        return cls(tuple(d.get("sources") or ()), tuple(sets))
+
+
+@dataclass(frozen=True)
+class WikiRagConfig:
+    """`benchmarks.wiki_rag`: single-question retrieval tasks per split (0: none)."""
+
+    sources: tuple[str, ...] = ()
+    train: int = 0
+    test: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict, key: str = "benchmarks.wiki_rag") -> "WikiRagConfig":
+        d = _known(d, cls, key)
+        return cls(**{**d, "sources": tuple(d.get("sources") or ())})
+
+
+@dataclass(frozen=True)
+class BenchmarksConfig:
+    """The `benchmarks` section (memopd.data.compose): question sources, the Q_n task sets, Wiki-RAG."""
+
+    sources: dict = field(default_factory=dict)  # source name -> tuple of QASourceConfig
+    test_fraction: float = 0.3  # of a source's `pool: split` questions
+    compose: str = "same_source"  # COMPOSE_MODES
+    qn: QnConfig = field(default_factory=QnConfig)
+    wiki_rag: WikiRagConfig | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "benchmarks") -> "BenchmarksConfig":
+        d = _known(d, cls, key)
+        sources = {name: tuple(QASourceConfig.from_dict(e, f"{key}.sources.{name}[{i}]") for i, e in enumerate(es))
+                   for name, es in (d.get("sources") or {}).items()}
+        wr = d.get("wiki_rag")
+        return cls(**{**d, "sources": sources, "qn": QnConfig.from_dict(d.get("qn"), f"{key}.qn"),
+                      "wiki_rag": WikiRagConfig.from_dict(wr, f"{key}.wiki_rag") if wr else None})
 
 
 RETRIEVAL_BACKENDS = ("bm25", "e5")  # retrieval.backend: BM25 (bm25s, CPU) or dense e5 vectors (FAISS)

@@ -1,17 +1,11 @@
 # Benchmarks (Q_n, Wiki-RAG), the retrieval corpus and index, and the retrieval figures.
 
-# results/benchmarks/{benchmark}_{split}.parquet for every configured task set (named as in data/compose.py)
-BENCHMARK_FILES = [
-    f"results/benchmarks/{name}.parquet"
-    for name in [f"q{s['n']}_{s['split']}" for s in config["benchmarks"]["qn"]["sets"]]
-    + [f"wikirag_{sp}" for sp in ("train", "test") if config["benchmarks"].get("wiki_rag", {}).get(sp)]
-]
+BENCHMARKS = BenchmarksConfig.from_dict(config["benchmarks"])
+# results/benchmarks/{benchmark}_{split}.parquet for every configured task set
+BENCHMARK_FILES = [f"results/benchmarks/{ts.name}.parquet" for ts in task_sets(BENCHMARKS)]
 # the local files each step reads (hub sources have no path)
 BENCHMARK_DATA = [
-    os.path.join(config["data_dir"], e["path"])
-    for es in config["benchmarks"]["sources"].values()
-    for e in es
-    if "path" in e
+    os.path.join(config["data_dir"], e.path) for es in BENCHMARKS.sources.values() for e in es if e.path is not None
 ]
 CORPUS_DATA = [os.path.join(config["data_dir"], e["path"]) for e in config["retrieval"]["corpus"]]
 # corpus files that a step downloads (paper scale: the full wiki-18 corpus); the rest are committed

@@ -38,8 +38,9 @@ PYTHON_ONLINE = 'PYTHONPATH="$MEMOPD_SRC${PYTHONPATH:+:$PYTHONPATH}" "$MEMOPD_PY
 sys.path.insert(0, SRC)  # this checkout's library, as the jobs run it
 try:
     from memopd.codegraph import command_hash, command_targets, package_hash
-    from memopd.config import (RULES, eval_job_config, matched_control_config, method_section, plan_config,
-                               teacher_config, trained_runs)
+    from memopd.config import (RULES, BenchmarksConfig, eval_job_config, matched_control_config, method_section,
+                               plan_config, teacher_config, trained_runs)
+    from memopd.data.compose import task_sets
     from memopd.methods import METHODS, teacher_model
     from memopd.prefetch import encodings_dir, hub_repos, localize
     from memopd.report.archive import chain_evals

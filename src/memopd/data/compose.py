@@ -29,12 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memopd.atomic import atomic_path
+from memopd.config import COMPOSE_MODES, SPLITS, BenchmarksConfig, QASourceConfig
 from memopd.data.loaders import QA, QA_PARSERS, DataConfigError, load_qa, resolve
 
-SPLITS = ("train", "dev", "test")
-COMPOSE_MODES = ("same_source", "mixed")
-# benchmarks.compose, .test_fraction and a source entry's pool when the config leaves them out
-COMPOSE_DEFAULT, TEST_FRACTION_DEFAULT, POOL_DEFAULT = "same_source", 0.3, "split"
 TASK_COLUMNS = ("task_id", "benchmark", "split", "n", "source", "question", "answer",
                 "questions", "answers", "qids", "sources", "evidence_titles")
 
@@ -55,48 +52,44 @@ class TaskSet:
         return f"{self.benchmark}_{self.split}"
 
 
-def task_sets(cfg: dict) -> list[TaskSet]:
+def task_sets(bench: BenchmarksConfig) -> list[TaskSet]:
     """The benchmark files a config asks for (also used by Snakemake to name the outputs)."""
-    mode = cfg.get("compose", COMPOSE_DEFAULT)
-    qn_sources = tuple(cfg.get("qn", {}).get("sources", ()))
-    out = [TaskSet(f"q{s['n']}", s["split"], int(s["n"]), int(s["tasks"]), qn_sources, mode)
-           for s in cfg.get("qn", {}).get("sets", [])]
-    wr = cfg.get("wiki_rag")
-    if wr:
+    out = [TaskSet(f"q{s.n}", s.split, s.n, s.tasks, bench.qn.sources, bench.compose) for s in bench.qn.sets]
+    if wr := bench.wiki_rag:
         # single-question tasks: "mode" only decides the order of sources over tasks
-        out += [TaskSet("wikirag", split, 1, int(wr[split]), tuple(wr["sources"]), "same_source")
-                for split in SPLITS if wr.get(split)]
+        out += [TaskSet("wikirag", split, 1, int(getattr(wr, split)), wr.sources, "same_source")
+                for split in ("train", "test") if getattr(wr, split)]
     return out
 
 
 # --------------------------------------------------------------------------------------------- checks
 
-def check_config(cfg: dict, data_dir: str | Path) -> list[TaskSet]:
+def check_config(bench: BenchmarksConfig, data_dir: str | Path) -> list[TaskSet]:
     """Static checks (no data read yet): known sources, formats, modes, splits, n, files exist."""
     errors = []
-    sources = cfg.get("sources") or {}
+    sources = bench.sources
     if not sources:
         errors.append("benchmarks.sources: no question source configured")
-    if cfg.get("compose", COMPOSE_DEFAULT) not in COMPOSE_MODES:
-        errors.append(f"benchmarks.compose: {cfg.get('compose')!r} is not one of {COMPOSE_MODES}")
-    tf = cfg.get("test_fraction", TEST_FRACTION_DEFAULT)
+    if bench.compose not in COMPOSE_MODES:
+        errors.append(f"benchmarks.compose: {bench.compose!r} is not one of {COMPOSE_MODES}")
+    tf = bench.test_fraction
     if not (isinstance(tf, (int, float)) and 0 < tf < 1):
         errors.append(f"benchmarks.test_fraction: {tf!r} must be in (0, 1)")
     for name, entries in sources.items():
         for i, e in enumerate(entries):
             key = f"benchmarks.sources.{name}[{i}]"
-            if e.get("format") not in QA_PARSERS:
-                errors.append(f"{key}.format: unknown format {e.get('format')!r} (known: {', '.join(QA_PARSERS)})")
-            if e.get("pool", POOL_DEFAULT) not in ("split", *SPLITS):
-                errors.append(f"{key}.pool: {e.get('pool')!r} is not split, train, dev or test")
-            if "path" in e:
+            if e.format not in QA_PARSERS:
+                errors.append(f"{key}.format: unknown format {e.format!r} (known: {', '.join(QA_PARSERS)})")
+            if e.pool not in ("split", *SPLITS):
+                errors.append(f"{key}.pool: {e.pool!r} is not split, train, dev or test")
+            if e.path is not None:
                 try:
-                    resolve(e["path"], data_dir, f"{key}.path")
+                    resolve(e.path, data_dir, f"{key}.path")
                 except DataConfigError as err:
                     errors.append(err)
-            elif "name" not in e:
+            elif e.name is None:
                 errors.append(f"{key}: needs a path (local file) or a name (hub data set)")
-    sets = task_sets(cfg)
+    sets = task_sets(bench)
     seen = Counter(ts.name for ts in sets)
     errors += [f"benchmarks.qn.sets: {name} configured {c} times" for name, c in seen.items() if c > 1]
     for ts in sets:
@@ -150,25 +143,25 @@ def _in_test(qid: str, seed: int, fraction: float) -> bool:
     return int.from_bytes(h[:8], "big") / 2**64 < fraction
 
 
-def load_source(name: str, entries: list[dict], data_dir: str | Path) -> list[tuple[QA, str]]:
+def load_source(name: str, entries: tuple[QASourceConfig, ...], data_dir: str | Path) -> list[tuple[QA, str]]:
     """(question, pool) for every record of one source, in config order."""
     out = []
     for i, e in enumerate(entries):
         key = f"benchmarks.sources.{name}[{i}]"
-        if "path" in e:
-            qas = load_qa(resolve(e["path"], data_dir, f"{key}.path"), e["format"], f"{key}.path")
+        if e.path is not None:
+            qas = load_qa(resolve(e.path, data_dir, f"{key}.path"), e.format, f"{key}.path")
         else:
             from memopd.data.hub import load_qa_hub
 
-            qas = load_qa_hub(e["name"], e.get("config"), e["split"], e["format"], f"{key}.name", e.get("revision"))
-        out += [(qa, e.get("pool", POOL_DEFAULT)) for qa in qas]
+            qas = load_qa_hub(e.name, e.config, e.split, e.format, f"{key}.name", e.revision)
+        out += [(qa, e.pool) for qa in qas]
     return out
 
 
-def load_pools(cfg: dict, data_dir: str | Path, seed: int) -> tuple[dict[str, dict[str, list[QA]]], dict]:
+def load_pools(bench: BenchmarksConfig, data_dir: str | Path, seed: int) -> tuple[dict[str, dict[str, list[QA]]], dict]:
     """{source: {"train": [...], "dev": [...], "test": [...]}} (sorted by id) and counts of duplicates dropped."""
     pools, dropped = {}, {}
-    for name, entries in cfg["sources"].items():
+    for name, entries in bench.sources.items():
         seen_text, seen_id, pool = set(), set(), {s: [] for s in SPLITS}
         for qa, where in load_source(name, entries, data_dir):
             key = _norm_q(qa.question)
@@ -178,7 +171,7 @@ def load_pools(cfg: dict, data_dir: str | Path, seed: int) -> tuple[dict[str, di
             seen_text.add(key)
             seen_id.add(qa.qid)
             if where == "split":
-                where = "test" if _in_test(qa.qid, seed, cfg.get("test_fraction", TEST_FRACTION_DEFAULT)) else "train"
+                where = "test" if _in_test(qa.qid, seed, bench.test_fraction) else "train"
             pool[where].append(qa)
         pools[name] = {s: sorted(v, key=lambda q: q.qid) for s, v in pool.items()}
     return pools, dropped
@@ -258,10 +251,11 @@ def stats_rows(rows_by_set: dict[str, list[dict]]) -> list[dict]:
     return out
 
 
-def compose(cfg: dict, data_dir: str | Path, seed: int, log=print) -> tuple[dict[str, list[dict]], list[dict]]:
+def compose(bench: BenchmarksConfig, data_dir: str | Path, seed: int,
+            log=print) -> tuple[dict[str, list[dict]], list[dict]]:
     """Check, load, compose. Returns ({file name: task rows}, stats rows); raises before any output."""
-    sets = check_config(cfg, data_dir)
-    pools, dropped = load_pools(cfg, data_dir, seed)
+    sets = check_config(bench, data_dir)
+    pools, dropped = load_pools(bench, data_dir, seed)
     for s, d in dropped.items():
         log(f"{s}: dropped {d} duplicate questions")
     for s, p in pools.items():
