@@ -104,6 +104,13 @@ def test_the_claims_table_rebuilt_from_the_archive_is_the_runs(tmp_path, capsys)
     run = {k: v for k, v in TRAIN.items() if k != "matched_control"}
     main(["study", "claims", "--cfg", json.dumps({"train": run, "claims": claims}), "--eval-dir",
           str(tmp_path / "results/eval"), "--out", str(tmp_path / "own/claims.csv")])
+    # 1a on the trained horizon's tasks, 1b on the long minus the short: the means over seeds by a plain loop
+    rows = {r["claim"]: r for r in csv.DictReader(open(tmp_path / "own/claims.csv"))}
+    for method, column in (("ppo", "base_mean"), ("memopd", "other_mean")):
+        f1 = [json.loads((tmp_path / f"results/eval/{method}_seed{s}/q2_test.json").read_text())["f1"]
+              for s in OWN[method]]
+        assert float(rows["1a"][column]) == pytest.approx(sum(f1) / len(f1))
+    assert (rows["1a"]["horizons"], rows["1b"]["horizons"]) == ("q2_test", "wikirag_test - q2_test")
     args = ["report", "archive", "--cfg", json.dumps(TRAIN), "--reward", "f1", "--eval-dir",
             str(tmp_path / "results/eval"), "--train-dir", str(tmp_path / "results/train"), "--out",
             str(tmp_path / "archive")]

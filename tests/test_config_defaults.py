@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from memopd.config import (AgentConfig, AuditRollout, AuditScoring, BenchmarksConfig, BM25Config, ColocatedEngineConfig,
-                           DenseConfig, EngineConfig, EvalConfig, PackingAudit, PlanConfig, QASourceConfig, QnConfig,
-                           QnSetConfig, RecallConfig, RetrievalConfig, RolloutConfig, TeacherConfig,
-                           TeacherServerConfig, WikiRagConfig, rollout_config)
+from memopd.config import (AgentConfig, AuditRollout, AuditScoring, BenchmarksConfig, BM25Config, ClaimsConfig,
+                           ColocatedEngineConfig, DenseConfig, EngineConfig, EvalConfig, KBConfig, PackingAudit,
+                           PlanConfig, QASourceConfig, QnConfig, QnSetConfig, RecallConfig, RetrievalConfig,
+                           RolloutConfig, TeacherConfig, TeacherServerConfig, WikiRagConfig, rollout_config)
 from memopd.sft.trainer import TrainConfig
 from memopd.train.config import PPO_FIELD_OF_KEY, RunConfig
 from memopd.train.update import PPOConfig
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TYPED = (AgentConfig, RolloutConfig, EngineConfig, ColocatedEngineConfig, RunConfig, PPOConfig, TrainConfig,
          RetrievalConfig, BM25Config, DenseConfig, RecallConfig, PlanConfig, EvalConfig, TeacherConfig,
          TeacherServerConfig, AuditScoring, AuditRollout, PackingAudit, BenchmarksConfig, QASourceConfig, QnConfig,
-         QnSetConfig, WikiRagConfig)
+         QnSetConfig, WikiRagConfig, KBConfig, ClaimsConfig)
 # reads of such a key name with a fallback that are not a typed section's: (file, key) -> why
 NOT_A_TYPED_SECTION = {
     ("audit/steps.py", "rule"): "an episode file's recorded metadata, '?' when absent",
@@ -229,10 +229,9 @@ def test_the_typed_engines_take_only_the_keys_the_schema_declares():
 
 
 def test_the_typed_sections_take_the_schemas_keys_and_defaults():
-    """benchmarks (and its sources, qn, wiki_rag), retrieval (and its bm25, dense, recall), plan, eval, teacher and
-    its LLM's server: the schema's keys are the
-    dataclasses' fields and the defaults it states theirs; an unknown key is refused naming its place, and a value
-    outside the schema's enum too."""
+    """benchmarks (and its sources, qn, wiki_rag), kb, claims, retrieval (and its bm25, dense, recall), plan, eval,
+    teacher and its LLM's server: the schema's keys are the dataclasses' fields and the defaults it states theirs; an
+    unknown key is refused naming its place, and a value outside the schema's enum too."""
     import yaml
 
     from memopd.inputs import ConfigError
@@ -241,8 +240,11 @@ def test_the_typed_sections_take_the_schemas_keys_and_defaults():
     props, bench = schema["properties"], schema["properties"]["benchmarks"]["properties"]
     ret = props["retrieval"]["properties"]
     pairs = [(bench, BenchmarksConfig), (schema["$defs"]["qa_source"]["properties"], QASourceConfig),
-             (bench["qn"]["properties"], QnConfig), (bench["qn"]["properties"]["sets"]["items"]["properties"], QnSetConfig),
-             (bench["wiki_rag"]["properties"], WikiRagConfig), (ret, RetrievalConfig), (ret["bm25"]["properties"], BM25Config), (ret["dense"]["properties"], DenseConfig),
+             (bench["qn"]["properties"], QnConfig),
+             (bench["qn"]["properties"]["sets"]["items"]["properties"], QnSetConfig),
+             (bench["wiki_rag"]["properties"], WikiRagConfig), (props["kb"]["properties"], KBConfig),
+             (props["claims"]["properties"], ClaimsConfig), (ret, RetrievalConfig),
+             (ret["bm25"]["properties"], BM25Config), (ret["dense"]["properties"], DenseConfig),
              (ret["recall"]["properties"], RecallConfig), (props["plan"]["properties"], PlanConfig),
              (props["eval"]["properties"], EvalConfig), (props["teacher"]["properties"], TeacherConfig),
              (props["teacher"]["properties"]["llm"]["properties"]["server"]["properties"], TeacherServerConfig)]
@@ -269,6 +271,10 @@ def test_the_typed_sections_take_the_schemas_keys_and_defaults():
         BenchmarksConfig.from_dict({"sources": {"nq": [{"format": "nq_open", "path": "a"}, {"file": "b"}]}})
     with pytest.raises(ConfigError, match=r"benchmarks.qn.sets\[0\]: missing tasks"):
         BenchmarksConfig.from_dict({"qn": {"sets": [{"n": 2, "split": "test"}]}})
+    with pytest.raises(ConfigError, match=r"unknown kb keys \['persons'\]"):
+        KBConfig.from_dict({"persons": 10})
+    with pytest.raises(ConfigError, match="config section 'claims' is missing 'long'"):
+        ClaimsConfig.from_dict({"primary": ["1a"], "short": "q2_test"})
 
 
 def test_an_eval_setting_per_benchmark_resolves_by_name_then_default():

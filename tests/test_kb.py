@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from memopd.data.kb import ATTRIBUTES, KBConfig, aliases, generate, passages, write
+from memopd.config import KBConfig
+from memopd.data.kb import ATTRIBUTES, aliases, generate, passages, write
 from memopd.data.loaders import iter_passages, load_qa
 from memopd.metrics import exact_match
 

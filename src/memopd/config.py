@@ -1,6 +1,6 @@
-"""The config's agent, rollout, benchmarks, retrieval, plan, eval and teacher sections as typed values, parsed once where a
-command starts. Importable without torch: the Snakefile imports it at parse time (workflow/rules/common.smk), and so
-do the planner and the commands before they load any model.
+"""The config's sections as typed values (agent, rollout, benchmarks, kb, retrieval, plan, eval, teacher, audit,
+claims), parsed once where a command starts. Importable without torch: the Snakefile imports it at parse time
+(workflow/rules/common.smk), and so do the planner and the commands before they load any model.
 
 Config keys keep their spelling (workflow/schemas/config.schema.yaml documents them); a field may be named for
 what it is where the key is ambiguous: `rollout.backend` is the generation engine (`RolloutConfig.engine`), not
@@ -254,6 +254,28 @@ class BenchmarksConfig:
         wr = d.get("wiki_rag")
         return cls(**{**d, "sources": sources, "qn": QnConfig.from_dict(d.get("qn"), f"{key}.qn"),
                       "wiki_rag": WikiRagConfig.from_dict(wr, f"{key}.wiki_rag") if wr else None})
+
+
+@dataclass(frozen=True)
+class KBConfig:
+    """The `kb` section (memopd.data.kb): sizes of the controlled study's knowledge base and its question pools."""
+
+    people: int = 400
+    first_names: int = 40  # few names for many people: look-alikes share one of them
+    surnames: int = 60
+    values: int = 60  # values per attribute, each shared by ~people/values people
+    dev_fraction: float = 0.15
+    test_fraction: float = 0.25
+
+    def __post_init__(self):
+        if self.people > self.first_names * self.surnames:
+            raise ConfigError(f"kb: {self.people} people need more than {self.first_names} x {self.surnames} names")
+        if not 0 < self.dev_fraction + self.test_fraction < 1:
+            raise ConfigError("kb: dev_fraction + test_fraction must be in (0, 1)")
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "kb") -> "KBConfig":
+        return cls(**_known(d, cls, key))
 
 
 RETRIEVAL_BACKENDS = ("bm25", "e5")  # retrieval.backend: BM25 (bm25s, CPU) or dense e5 vectors (FAISS)
@@ -597,3 +619,20 @@ def eval_job_config(cfg: dict, bench: str, **agent) -> dict:
     change the settings of the evaluations already done."""
     ev = {k: per_benchmark(v, bench) for k, v in cfg["eval"].items() if k not in ("models", "benchmarks")}
     return {"agent": {**cfg["agent"], **agent}, "rollout": cfg["rollout"], "eval": ev}
+
+
+@dataclass(frozen=True)
+class ClaimsConfig:
+    """The `claims` section (memopd.study.claims), declared before the run: the primaries, Holm-adjusted together,
+    and the test tasks of the trained (`short`) and the long horizon of the growth claims."""
+
+    primary: tuple[str, ...]
+    short: str
+    long: str
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "claims") -> "ClaimsConfig":
+        d = _known(d, cls, key)
+        if missing := [f.name for f in fields(cls) if f.name not in d]:
+            raise ConfigError(f"config section '{key}' is missing {', '.join(map(repr, missing))}")
+        return cls(tuple(d["primary"]), d["short"], d["long"])

@@ -25,6 +25,8 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from memopd.config import KBConfig
+
 _ONSETS = "b d f g k l m n p r s t v z br dr gr kr tr th sh".split()
 _VOWELS = "a e i o u ai ei ou".split()
 _CODAS = "n l r s th k m".split() + [""] * 4
@@ -50,24 +52,6 @@ ATTRIBUTES = (
     Attribute("river", ("{p} lives by the {v} river.", "The house of {p} stands on the {v} river."),
               ("Which river does {p} live by?", "On which river does {p} live?")),
 )
-
-
-@dataclass(frozen=True)
-class KBConfig:
-    """Config `kb` (sizes of the knowledge base and its question pools)."""
-
-    people: int = 400
-    first_names: int = 40  # few names for many people: look-alikes share one of them
-    surnames: int = 60
-    values: int = 60  # values per attribute, each shared by ~people/values people
-    dev_fraction: float = 0.15
-    test_fraction: float = 0.25
-
-    def __post_init__(self):
-        if self.people > self.first_names * self.surnames:
-            raise ValueError(f"kb: {self.people} people need more than {self.first_names} x {self.surnames} names")
-        if not 0 < self.dev_fraction + self.test_fraction < 1:
-            raise ValueError("kb: dev_fraction + test_fraction must be in (0, 1)")
 
 
 @dataclass

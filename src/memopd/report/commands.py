@@ -148,9 +148,10 @@ def cmd_report_from_archive(args, cfg):
         curves_table(train, metrics_files(args.archive, manifest), out / "figures" / "training_curves.png",
                      out / "tables" / "training_curves.csv", manifest["reward"])
         if manifest.get("claims"):
+            from memopd.config import ClaimsConfig
             from memopd.study.commands import claims_table
 
-            claims_table({"train": train, "claims": manifest["claims"]}, eval_dir, out / "tables" / "claims.csv")
+            claims_table(train, ClaimsConfig.from_dict(manifest["claims"]), eval_dir, out / "tables" / "claims.csv")
         if manifest.get("chain"):
             from memopd.study.commands import chain_table
 

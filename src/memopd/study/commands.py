@@ -5,6 +5,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from memopd.config import ClaimsConfig
 from memopd.inputs import existing, require
 from memopd.outputs import write_json
 
@@ -38,25 +39,23 @@ def chain_table(chain: dict, eval_dir: str | Path, out: str | Path) -> None:
 def cmd_study_claims(args, cfg):
     """results/tables/claims.{csv,md}: the paper's claims over seeds (memopd.study.claims), the primaries of
     `claims.primary` Holm-adjusted together. --cfg: {"train": the train section, "claims": the claims section}."""
-    claims_table(cfg, args.eval_dir, args.out)
+    require(cfg, "train", "claims")
+    claims_table(cfg["train"], ClaimsConfig.from_dict(cfg["claims"]), args.eval_dir, args.out)
 
 
-def claims_table(cfg: dict, eval_dir: str | Path, out: str | Path) -> list[dict]:
+def claims_table(train: dict, claims: ClaimsConfig, eval_dir: str | Path, out: str | Path) -> list[dict]:
     from memopd.config import method_seeds
     from memopd.outputs import print_table, write_table
     from memopd.report.results import load_scores, seeds_words
     from memopd.stats import VERDICT_RULE
     from memopd.study.claims import claim_notes, claim_rows
 
-    require(cfg, "train", "claims")
-    train, claims = cfg["train"], cfg["claims"]
-    require(claims, "primary", "short", "long")
     seeds = method_seeds(train)
-    scores = load_scores(eval_dir, seeds, [claims["short"], claims["long"]])
+    scores = load_scores(eval_dir, seeds, [claims.short, claims.long])
     f1 = {k: {s: r["f1"] for s, r in v.items()} for k, v in scores.items()}
-    rows = claim_rows(f1, list(claims["primary"]), claims["short"], claims["long"])
+    rows = claim_rows(f1, list(claims.primary), claims.short, claims.long)
     caption = (f"The paper's claims over seeds ({seeds_words(seeds)}; F1, greedy): the primaries declared before the "
-               f"run ({', '.join(claims['primary'])}) Holm-adjusted together (p_holm), the others secondary; each "
+               f"run ({', '.join(claims.primary)}) Holm-adjusted together (p_holm), the others secondary; each "
                f"claim's estimate with its 95% interval and exact two-sided p (the same seeds: paired t interval and "
                f"sign-flip p over the sign patterns; else Welch's interval and the permutation p over the splits; a "
                f"growth: per seed, long minus short horizon, t interval and sign-flip p); noise: {VERDICT_RULE}, "
