@@ -13,8 +13,9 @@ import pytest
 
 from memopd.config import (AgentConfig, AuditRollout, AuditScoring, BenchmarksConfig, BM25Config, ClaimsConfig,
                            ColocatedEngineConfig, DenseConfig, EngineConfig, EvalConfig, KBConfig, PackingAudit,
-                           PlanConfig, QASourceConfig, QnConfig, QnSetConfig, RecallConfig, RetrievalConfig,
-                           RolloutConfig, TeacherConfig, TeacherServerConfig, WikiRagConfig, rollout_config)
+                           PlanConfig, QASourceConfig, QnConfig, QnSetConfig, RCEConfig, RCERolloutsConfig,
+                           RecallConfig, RetrievalConfig, RolloutConfig, RULES, TeacherConfig, TeacherServerConfig,
+                           WikiRagConfig, rollout_config)
 from memopd.sft.trainer import TrainConfig
 from memopd.train.config import PPO_FIELD_OF_KEY, RunConfig
 from memopd.train.update import PPOConfig
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TYPED = (AgentConfig, RolloutConfig, EngineConfig, ColocatedEngineConfig, RunConfig, PPOConfig, TrainConfig,
          RetrievalConfig, BM25Config, DenseConfig, RecallConfig, PlanConfig, EvalConfig, TeacherConfig,
          TeacherServerConfig, AuditScoring, AuditRollout, PackingAudit, BenchmarksConfig, QASourceConfig, QnConfig,
-         QnSetConfig, WikiRagConfig, KBConfig, ClaimsConfig)
+         QnSetConfig, WikiRagConfig, KBConfig, ClaimsConfig, RCEConfig, RCERolloutsConfig)
 # reads of such a key name with a fallback that are not a typed section's: (file, key) -> why
 NOT_A_TYPED_SECTION = {
     ("audit/steps.py", "rule"): "an episode file's recorded metadata, '?' when absent",
@@ -229,7 +230,7 @@ def test_the_typed_engines_take_only_the_keys_the_schema_declares():
 
 
 def test_the_typed_sections_take_the_schemas_keys_and_defaults():
-    """benchmarks (and its sources, qn, wiki_rag), kb, claims, retrieval (and its bm25, dense, recall), plan, eval,
+    """benchmarks (and its sources, qn, wiki_rag), kb, claims, rce, rce_rollouts, retrieval (and its bm25, dense, recall), plan, eval,
     teacher and its LLM's server: the schema's keys are the dataclasses' fields and the defaults it states theirs; an
     unknown key is refused naming its place, and a value outside the schema's enum too."""
     import yaml
@@ -243,7 +244,8 @@ def test_the_typed_sections_take_the_schemas_keys_and_defaults():
              (bench["qn"]["properties"], QnConfig),
              (bench["qn"]["properties"]["sets"]["items"]["properties"], QnSetConfig),
              (bench["wiki_rag"]["properties"], WikiRagConfig), (props["kb"]["properties"], KBConfig),
-             (props["claims"]["properties"], ClaimsConfig), (ret, RetrievalConfig),
+             (props["claims"]["properties"], ClaimsConfig), (props["rce"]["properties"], RCEConfig),
+             (props["rce_rollouts"]["properties"], RCERolloutsConfig), (ret, RetrievalConfig),
              (ret["bm25"]["properties"], BM25Config), (ret["dense"]["properties"], DenseConfig),
              (ret["recall"]["properties"], RecallConfig), (props["plan"]["properties"], PlanConfig),
              (props["eval"]["properties"], EvalConfig), (props["teacher"]["properties"], TeacherConfig),
@@ -269,12 +271,23 @@ def test_the_typed_sections_take_the_schemas_keys_and_defaults():
         EvalConfig.from_dict({"tasks": 10})
     with pytest.raises(ConfigError, match=r"unknown benchmarks.sources.nq\[1\] keys \['file'\]"):
         BenchmarksConfig.from_dict({"sources": {"nq": [{"format": "nq_open", "path": "a"}, {"file": "b"}]}})
-    with pytest.raises(ConfigError, match=r"benchmarks.qn.sets\[0\]: missing tasks"):
+    with pytest.raises(ConfigError, match=r"config section 'benchmarks.qn.sets\[0\]' has no 'tasks'"):
         BenchmarksConfig.from_dict({"qn": {"sets": [{"n": 2, "split": "test"}]}})
     with pytest.raises(ConfigError, match=r"unknown kb keys \['persons'\]"):
         KBConfig.from_dict({"persons": 10})
-    with pytest.raises(ConfigError, match="config section 'claims' is missing 'long'"):
+    with pytest.raises(ConfigError, match="config section 'claims' has no 'long'"):
         ClaimsConfig.from_dict({"primary": ["1a"], "short": "q2_test"})
+    for cls in (RCEConfig, RCERolloutsConfig):  # the schema's required keys, and every rule where none is listed
+        key = cls.__name__[:-6].lower().replace("rollouts", "_rollouts")
+        assert set(props[key]["required"]) == {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        given = {k: ["sdpa"] if k == "backends" else [1, 2] if k.endswith("_tokens") and cls is RCEConfig else 1
+                 for k in props[key]["required"]}
+        assert cls.from_dict({**given, "rules": []}).rules == tuple(RULES)
+        with pytest.raises(ConfigError, match=f"config section '{key}' has no 'dtype'"):
+            cls.from_dict({k: v for k, v in given.items() if k != "dtype"})
+    with pytest.raises(ConfigError, match=r"rce.response_tokens: a range \[low, high\], not 4"):
+        RCEConfig.from_dict({"dtype": "float32", "backends": ["sdpa"], "episodes": 1, "calls": 1, "prefix_tokens": 4,
+                             "observation_tokens": [1, 2], "response_tokens": 4})
 
 
 def test_an_eval_setting_per_benchmark_resolves_by_name_then_default():

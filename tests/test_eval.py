@@ -268,6 +268,7 @@ def test_model_steps_load_on_the_jobs_gpu_when_it_has_one(tmp_path, monkeypatch)
     stop["all"] = True
     with pytest.raises(RuntimeError, match="stop"):
         main(["rce", "--cfg", json.dumps({"dtype": "float32", "backends": ["sdpa"], "episodes": 1, "calls": 1,
-                                         "prefix_tokens": 4, "observation_tokens": 4, "response_tokens": 4}),
+                                         "prefix_tokens": 4, "observation_tokens": [4, 4],
+                                         "response_tokens": [4, 4]}),
               "--model", str(model_dir), "--data-dir", "data", "--out", str(tmp_path / "r.json")])
     assert asked == [("float32", "cuda"), ("bfloat16", "cuda"), ("float32", "cuda")], asked

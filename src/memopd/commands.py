@@ -7,10 +7,9 @@ import random
 import sys
 from pathlib import Path
 
+from memopd.config import RCEConfig
 from memopd.inputs import UsageError, existing, require
 from memopd.outputs import write_csv, write_json
-
-RCE_KEYS = ("dtype", "backends", "episodes", "calls", "prefix_tokens", "observation_tokens", "response_tokens")
 
 
 def cmd_tokenizer(args, cfg):
@@ -55,21 +54,21 @@ def cmd_rce(args, cfg):
 
     from memopd.models import default_device, load_model
     from memopd.rce import rce_report, report_rows
-    from memopd.synthetic import RULES, random_episode, token_pool
+    from memopd.synthetic import random_episode, token_pool
 
-    require(cfg, *RCE_KEYS)
+    rc = RCEConfig.from_dict(cfg)
     existing(args.model, args.data_dir)
     torch.manual_seed(args.seed)
-    model = load_model(args.model, dtype=cfg["dtype"], device=args.device or default_device())
+    model = load_model(args.model, dtype=rc.dtype, device=args.device or default_device())
     pool = token_pool(args.model, args.data_dir)
     rng = random.Random(args.seed)
-    rules = cfg.get("rules", list(RULES))
+    rules = rc.rules
     episodes = [
-        random_episode(rng, pool, rules[i % len(rules)], cfg["calls"], cfg["prefix_tokens"],
-                       tuple(cfg["observation_tokens"]), tuple(cfg["response_tokens"]), task_id=f"smoke{i}-{rules[i % len(rules)]}")
-        for i in range(cfg["episodes"])
+        random_episode(rng, pool, rules[i % len(rules)], rc.calls, rc.prefix_tokens, rc.observation_tokens,
+                       rc.response_tokens, task_id=f"smoke{i}-{rules[i % len(rules)]}")
+        for i in range(rc.episodes)
     ]
-    report = rce_report(model, episodes, cfg["backends"], dtype=cfg["dtype"], tolerance=cfg.get("tolerance"))
+    report = rce_report(model, episodes, list(rc.backends), dtype=rc.dtype, tolerance=rc.tolerance)
     report["config"] = {**cfg, "seed": args.seed, "model": args.model}
     write_json(args.out, report)
     write_csv(Path(args.out).with_suffix(".csv"), report_rows(report))

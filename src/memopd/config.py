@@ -1,5 +1,5 @@
-"""The config's sections as typed values (agent, rollout, benchmarks, kb, retrieval, plan, eval, teacher, audit,
-claims), parsed once where a command starts. Importable without torch: the Snakefile imports it at parse time
+"""The config's sections as typed values (agent, rollout, benchmarks, kb, rce, rce_rollouts, retrieval, plan, eval,
+teacher, audit, claims), parsed once where a command starts. Importable without torch: the Snakefile imports it at parse time
 (workflow/rules/common.smk), and so do the planner and the commands before they load any model.
 
 Config keys keep their spelling (workflow/schemas/config.schema.yaml documents them); a field may be named for
@@ -89,6 +89,14 @@ def _known(d: dict | None, cls, key: str) -> dict:
     d = dict(d or {})
     if unknown := set(d) - {f.name for f in fields(cls)}:
         raise ConfigError(f"unknown {key} keys {sorted(unknown)}; known: {sorted(f.name for f in fields(cls))}")
+    return d
+
+
+def _required(d: dict, cls, key: str) -> dict:
+    """`d` once it holds every field of `cls` without a default; else a ConfigError naming the missing keys."""
+    if missing := [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+                   and f.name not in d]:
+        raise ConfigError(f"config section {key!r} has no {', '.join(map(repr, missing))}")
     return d
 
 
@@ -215,9 +223,7 @@ class QnConfig:
         d = _known(d, cls, key)
         sets = []
         for i, s in enumerate(d.get("sets") or ()):
-            s = _known(s, QnSetConfig, f"{key}.sets[{i}]")
-            if missing := [f.name for f in fields(QnSetConfig) if f.name not in s]:
-                raise ConfigError(f"{key}.sets[{i}]: missing {', '.join(missing)}")
+            s = _required(_known(s, QnSetConfig, f"{key}.sets[{i}]"), QnSetConfig, f"{key}.sets[{i}]")
             sets.append(QnSetConfig(int(s["n"]), s["split"], int(s["tasks"])))
         return cls(tuple(d.get("sources") or ()), tuple(sets))
 
@@ -276,6 +282,51 @@ class KBConfig:
     @classmethod
     def from_dict(cls, d: dict | None, key: str = "kb") -> "KBConfig":
         return cls(**_known(d, cls, key))
+
+
+@dataclass(frozen=True)
+class RCEConfig:
+    """The `rce` section (`memopd rce`): random episodes of the rules, each packed call against the call run alone,
+    on every backend."""
+
+    dtype: str
+    backends: tuple[str, ...]
+    episodes: int
+    calls: int
+    prefix_tokens: int
+    observation_tokens: tuple[int, int]  # [low, high] tokens per observation
+    response_tokens: tuple[int, int]
+    rules: tuple[str, ...] = RULES  # the episodes cycle through these (an empty list: every rule)
+    tolerance: float | None = None  # None: the dtype's (memopd.rce.tolerances)
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "rce") -> "RCEConfig":
+        d = _required(_known(d, cls, key), cls, key)
+        for k in ("observation_tokens", "response_tokens"):
+            if not (isinstance(d[k], (list, tuple)) and len(d[k]) == 2):
+                raise ConfigError(f"{key}.{k}: a range [low, high], not {d[k]!r}")
+        return cls(**{**d, **{k: tuple(d[k]) for k in ("backends", "observation_tokens", "response_tokens")},
+                      "rules": tuple(d.get("rules") or RULES)})
+
+
+@dataclass(frozen=True)
+class RCERolloutsConfig:
+    """The `rce_rollouts` section: real rollouts of the model under every rule, then the same check on them."""
+
+    benchmark: str
+    tasks: int
+    max_new_tokens: int
+    dtype: str
+    backends: tuple[str, ...]
+    rules: tuple[str, ...] = RULES  # an empty list: every rule
+    tolerance: float | None = None  # None: the dtype's (memopd.rce.tolerances)
+    invalid_action: str | None = None  # None: the agent section's
+    gpu_memory_utilization: float | None = None  # None: rollout.vllm's; the engine stays up beside the scoring model
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "rce_rollouts") -> "RCERolloutsConfig":
+        d = _required(_known(d, cls, key), cls, key)
+        return cls(**{**d, "backends": tuple(d["backends"]), "rules": tuple(d.get("rules") or RULES)})
 
 
 RETRIEVAL_BACKENDS = ("bm25", "e5")  # retrieval.backend: BM25 (bm25s, CPU) or dense e5 vectors (FAISS)
@@ -453,14 +504,6 @@ def teacher_config(cfg: dict) -> TeacherConfig:
     return TeacherConfig.from_dict(section(cfg, "teacher"))
 
 
-def _required(d: dict, cls, key: str) -> dict:
-    """`d` once it holds every field of `cls` without a default; else a ConfigError naming the missing keys."""
-    if missing := [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
-                   and f.name not in d]:
-        raise ConfigError(f"config section {key!r} has no {', '.join(map(repr, missing))}")
-    return d
-
-
 @dataclass(frozen=True)
 class AuditScoring:
     """`audit.dtype`, `clip` and `backends`: how the audit tables score the episodes (each table's job gets these)."""
@@ -632,7 +675,5 @@ class ClaimsConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None, key: str = "claims") -> "ClaimsConfig":
-        d = _known(d, cls, key)
-        if missing := [f.name for f in fields(cls) if f.name not in d]:
-            raise ConfigError(f"config section '{key}' is missing {', '.join(map(repr, missing))}")
+        d = _required(_known(d, cls, key), cls, key)
         return cls(tuple(d["primary"]), d["short"], d["long"])

@@ -22,15 +22,16 @@ def cmd_eval(args, cfg):
 
 
 def cmd_rce_rollouts(args, cfg):
-    from memopd.config import agent_config
+    from memopd.config import RCERolloutsConfig, agent_config
     from memopd.evaluation.evaluate import rce_rollouts_step
 
-    rc = section(cfg, "rce_rollouts", "max_new_tokens", "tasks", "dtype", "backends")
+    rc = RCERolloutsConfig.from_dict(section(cfg, "rce_rollouts"))
     agent = agent_config(cfg)
     existing(args.model, args.benchmark)
-    report = rce_rollouts_step(cfg, agent, args.model, args.benchmark, args.index, seed=args.seed, limit=args.limit)
+    report = rce_rollouts_step(cfg, rc, agent, args.model, args.benchmark, args.index, seed=args.seed,
+                               limit=args.limit)
     write_json(args.out, report)
-    tols = (f"{rc['dtype']} tolerances: max |d log p| <= {report['tolerance_dlogp']:g}, "
+    tols = (f"{rc.dtype} tolerances: max |d log p| <= {report['tolerance_dlogp']:g}, "
             f"max |d logit| <= {report['tolerance_dlogit']:g}")
     print(f"per backend: max |d log p| / max |d logit| vs each call run alone ({tols})")
     for rule, r in report["rules"].items():

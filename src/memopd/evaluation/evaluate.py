@@ -16,7 +16,7 @@ import torch
 
 from memopd.agent.protocol import Task, load_tasks
 from memopd.agent.rollout import rollout
-from memopd.config import RULES, AgentConfig, EvalConfig, RolloutConfig, rollout_config
+from memopd.config import RULES, AgentConfig, EvalConfig, RCERolloutsConfig, RolloutConfig, rollout_config
 from memopd.generation.backends import make_backend, make_sampling
 from memopd.outputs import write_csv, write_json
 from memopd.records import Episode, save_episodes
@@ -145,28 +145,28 @@ def evaluate_benchmarks(cfg: dict, agent: AgentConfig, model_dir: str, benchmark
               f"{out['throughput']['generated_tokens_per_s']:.0f} tok/s")
 
 
-def rce_rollouts_step(cfg: dict, agent: AgentConfig, model_dir: str, benchmark: str, index: str, seed: int = 0,
-                      limit: int | None = None) -> dict:
-    """The RCE of real rollouts under every memory-rewrite rule (`cfg`: agent, rollout, rce_rollouts sections)."""
+def rce_rollouts_step(cfg: dict, rc: RCERolloutsConfig, agent: AgentConfig, model_dir: str, benchmark: str,
+                      index: str, seed: int = 0, limit: int | None = None) -> dict:
+    """The RCE of real rollouts under every memory-rewrite rule (`cfg`: the agent, rollout and rce_rollouts sections
+    as written, recorded with the report; `rc` its rce_rollouts section)."""
     from dataclasses import replace
 
     from memopd.models import default_device, load_model
     from memopd.rce import tolerance_fields, tolerances
 
-    rc = cfg["rce_rollouts"]
     rollout_cfg = cfg["rollout"]
-    if rc.get("gpu_memory_utilization") is not None:  # the engine stays up while the model scores beside it
+    if rc.gpu_memory_utilization is not None:  # the engine stays up while the model scores beside it
         rollout_cfg = {**rollout_cfg, "vllm": {**rollout_cfg.get("vllm", {}),
-                                               "gpu_memory_utilization": rc["gpu_memory_utilization"]}}
+                                               "gpu_memory_utilization": rc.gpu_memory_utilization}}
     backend, tok, model, retriever = load_agent(rollout_config({"rollout": rollout_cfg}), model_dir, index, seed,
-                                                max_new_tokens=rc["max_new_tokens"])
-    tasks = load_tasks(benchmark, limit=limit or rc["tasks"])
-    if model is None or str(model.dtype).split(".")[-1] != rc["dtype"]:
+                                                max_new_tokens=rc.max_new_tokens)
+    tasks = load_tasks(benchmark, limit=limit or rc.tasks)
+    if model is None or str(model.dtype).split(".")[-1] != rc.dtype:
         # the packed and independent passes run under transformers in the audit's dtype
-        model = load_model(model_dir, dtype=rc["dtype"], device=default_device())
-    agent = replace(agent, invalid_action=rc.get("invalid_action", agent.invalid_action))
-    report = rce_rollouts(model, backend, tok, tasks, retriever, agent, rules=rc.get("rules") or RULES,
-                          backends=rc["backends"], dtype=rc["dtype"], tolerance=rc.get("tolerance"), seed=seed)
+        model = load_model(model_dir, dtype=rc.dtype, device=default_device())
+    agent = replace(agent, invalid_action=rc.invalid_action or agent.invalid_action)
+    report = rce_rollouts(model, backend, tok, tasks, retriever, agent, rules=rc.rules, backends=list(rc.backends),
+                          dtype=rc.dtype, tolerance=rc.tolerance, seed=seed)
     report["config"] = {**cfg, "rollout": rollout_cfg, "seed": seed, "model": model_dir, "benchmark": benchmark}
-    report.update(tolerance_fields(tolerances(rc["dtype"], rc.get("tolerance"))))  # what every rule was gated on
+    report.update(tolerance_fields(tolerances(rc.dtype, rc.tolerance)))  # what every rule was gated on
     return report

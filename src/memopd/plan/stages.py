@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from memopd.config import (RULES, eval_config, plan_config, retrieval_config, rollout_config, teacher_config,
-                           trained_runs)
+from memopd.config import (RULES, RCEConfig, RCERolloutsConfig, eval_config, plan_config, retrieval_config,
+                           rollout_config, teacher_config, trained_runs)
 from memopd.methods import method as method_spec
 from memopd.plan.jobs import Job, _common, _fsdp, _job, _resources, _retriever, _rollouts, _scoring, _vllm
 from memopd.plan.memory import (COMPARE_CHUNK, DIVERGENCE_BYTES, STATE_BYTES, TOKEN_BYTES, _rce_terms, act_per_token,
@@ -221,28 +221,28 @@ def plan_sft(cfg: dict) -> list[Job]:
 def plan_scoring(cfg: dict) -> list[Job]:
     """RCE smoke, RCE of rollouts and the alignment audits (no grad, full-vocabulary comparisons)."""
     jobs, ro = [], cfg["rollout"]
-    rc = cfg["rce"]
+    rc = RCEConfig.from_dict(cfg["rce"])
     st = role_spec(cfg, "student")
-    b = BYTES[rc["dtype"]]
-    calls, resp = rc["calls"], max(rc["response_tokens"])
-    tokens = rc["prefix_tokens"] + calls * (max(rc["observation_tokens"]) + 2 * resp)  # a retained copy per call
+    b = BYTES[rc.dtype]
+    calls, resp = rc.calls, max(rc.response_tokens)
+    tokens = rc.prefix_tokens + calls * (max(rc.observation_tokens) + 2 * resp)  # a retained copy per call
     job = _job(cfg, "rce_smoke")
-    _scoring(job, cfg, st, rc["dtype"], tokens, _rce_terms(st, b, rc["episodes"] * calls * resp, calls * resp,
-                                                           f"{rc['episodes']} episodes x {calls} calls x {resp}"))
+    _scoring(job, cfg, st, rc.dtype, tokens, _rce_terms(st, b, rc.episodes * calls * resp, calls * resp,
+                                                        f"{rc.episodes} episodes x {calls} calls x {resp}"))
     jobs.append(job)
-    rr = cfg["rce_rollouts"]  # rollouts (the engine stays up), then RCE of each rule's episodes at once
+    rr = RCERolloutsConfig.from_dict(cfg["rce_rollouts"])  # rollouts (the engine stays up), then each rule's RCE
     audit = cfg["audit"]
     am = role_spec(cfg, model_role(audit["model"]))
-    max_new = new_tokens(rr.get("max_new_tokens"), rr["benchmark"], ro["max_new_tokens"])
-    tokens, actions = max(episode_tokens(cfg, rr["benchmark"], max_new, r) for r in rr.get("rules") or RULES)
+    max_new = new_tokens(rr.max_new_tokens, rr.benchmark, ro["max_new_tokens"])
+    tokens, actions = max(episode_tokens(cfg, rr.benchmark, max_new, r) for r in rr.rules)
     job = _job(cfg, "rce_rollouts")
-    _rollouts(job, cfg, "scoring", am, rr["benchmark"], max_new, rr["tasks"], util=rr.get("gpu_memory_utilization"))
-    b, n = BYTES[rr["dtype"]], rr["tasks"] * actions
-    terms = _rce_terms(am, b, n, actions, f"{rr['tasks']} tasks x {actions} action tokens")
+    _rollouts(job, cfg, "scoring", am, rr.benchmark, max_new, rr.tasks, util=rr.gpu_memory_utilization)
+    b, n = BYTES[rr.dtype], rr.tasks * actions
+    terms = _rce_terms(am, b, n, actions, f"{rr.tasks} tasks x {actions} action tokens")
     # evaluation.evaluate.behaviour_mismatch: rce.independent_token_logprobs, the LM head COMPARE_CHUNK tokens at a time
     c = min(COMPARE_CHUNK, n)
     terms.append(("behaviour chunk", c * am.vocab * (b + 8), f"evaluate.behaviour_mismatch: C {c} x V x ({b} + 4 + 4) B"))
-    _scoring(job, cfg, am, rr["dtype"], tokens, terms)
+    _scoring(job, cfg, am, rr.dtype, tokens, terms)
     _retriever(job, cfg)
     jobs.append(job)
     dt, bench = audit["dtype"], audit["benchmark"]
