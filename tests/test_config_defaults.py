@@ -365,3 +365,25 @@ def test_the_audit_section_is_its_typed_parts():
     rollout = AuditRollout.from_dict({"model": "m", "benchmark": "b", "episodes": 4, "rule_episodes": 2,
                                       "temperature": 0.0})
     assert rollout.sampling() == {"temperature": 0.0}
+
+
+def test_a_steps_resources_are_the_default_overlaid_by_its_own():
+    """resources.of(step): the embedded default's `default` overlaid key by key with `rules.<step>` (a plain dict
+    merge here), the gpu 0 where neither names it; an unknown key is refused naming its place."""
+    import yaml
+
+    from memopd.config import JobResources, ResourcesConfig
+    from memopd.inputs import ConfigError
+
+    section = yaml.safe_load((ROOT / "config/config.yaml").read_text())["resources"]
+    res = ResourcesConfig.from_dict(section)
+    assert section["rules"], "the embedded default overlays some steps"
+    for step in [*section["rules"], "a_step_with_no_entry"]:
+        merged = dict(section["default"])
+        for k, v in section["rules"].get(step, {}).items():
+            merged[k] = v
+        assert dataclasses.asdict(res.of(step)) == {"gpu": 0, "gpu_model": None, **merged}, step
+    schema = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
+    assert set(schema["$defs"]["job"]["properties"]) == {f.name for f in dataclasses.fields(JobResources)}
+    with pytest.raises(ConfigError, match=r"unknown resources.rules.sft keys \['cpus'\]"):
+        ResourcesConfig.from_dict({**section, "rules": {"sft": {"cpus": 4}}})

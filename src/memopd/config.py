@@ -1,5 +1,5 @@
 """The config's sections as typed values (agent, rollout, benchmarks, kb, rce, rce_rollouts, retrieval, plan, eval,
-teacher, audit, claims), parsed once where a command starts. Importable without torch: the Snakefile imports it at parse time
+teacher, audit, claims, resources), parsed once where a command starts. Importable without torch: the Snakefile imports it at parse time
 (workflow/rules/common.smk), and so do the planner and the commands before they load any model.
 
 Config keys keep their spelling (workflow/schemas/config.schema.yaml documents them); a field may be named for
@@ -327,6 +327,39 @@ class RCERolloutsConfig:
     def from_dict(cls, d: dict | None, key: str = "rce_rollouts") -> "RCERolloutsConfig":
         d = _required(_known(d, cls, key), cls, key)
         return cls(**{**d, "backends": tuple(d["backends"]), "rules": tuple(d.get("rules") or RULES)})
+
+
+@dataclass(frozen=True)
+class JobResources:
+    """One step's jobs: the SLURM request (a local run uses `threads`, capped by -c)."""
+
+    threads: int
+    mem_mb: int
+    runtime: int  # wall-clock limit in minutes
+    gpu: int = 0  # GPUs of the job's single task (torchrun inside when > 1)
+    gpu_model: str | None = None  # e.g. h100, only used with gpu >= 1
+
+
+@dataclass(frozen=True)
+class ResourcesConfig:
+    """The `resources` section: `default`, overlaid per step by `rules.<step>`; the workflow requests what the
+    planner sizes."""
+
+    default: dict
+    rules: dict = field(default_factory=dict)  # step name -> the keys it changes
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "resources") -> "ResourcesConfig":
+        d = _required(_known(d, cls, key), cls, key)
+        _known(d["default"], JobResources, f"{key}.default")
+        for step, r in (d.get("rules") or {}).items():
+            _known(r, JobResources, f"{key}.rules.{step}")
+        return cls(dict(d["default"]), dict(d.get("rules") or {}))
+
+    def of(self, step: str) -> JobResources:
+        """`default` overlaid by `rules.<step>`."""
+        key = f"resources.rules.{step}" if step in self.rules else "resources.default"
+        return JobResources(**_required({**self.default, **self.rules.get(step, {})}, JobResources, key))
 
 
 RETRIEVAL_BACKENDS = ("bm25", "e5")  # retrieval.backend: BM25 (bm25s, CPU) or dense e5 vectors (FAISS)

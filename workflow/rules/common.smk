@@ -38,8 +38,8 @@ PYTHON_ONLINE = 'PYTHONPATH="$MEMOPD_SRC${PYTHONPATH:+:$PYTHONPATH}" "$MEMOPD_PY
 sys.path.insert(0, SRC)  # this checkout's library, as the jobs run it
 try:
     from memopd.codegraph import command_hash, command_targets, package_hash
-    from memopd.config import (RULES, BenchmarksConfig, eval_job_config, matched_control_config, method_section,
-                               plan_config, teacher_config, trained_runs)
+    from memopd.config import (RULES, BenchmarksConfig, ResourcesConfig, eval_job_config, matched_control_config,
+                               method_section, plan_config, teacher_config, trained_runs)
     from memopd.data.compose import task_sets
     from memopd.methods import METHODS, teacher_model
     from memopd.prefetch import encodings_dir, hub_repos, localize
@@ -111,16 +111,13 @@ def code(command):
     return command_hash(command, Path(SRC), targets=COMMANDS)
 
 
-def _job_spec(name):
-    spec = dict(config["resources"]["default"])
-    spec.update(config["resources"]["rules"].get(name, {}))
-    return spec
+RESOURCES = ResourcesConfig.from_dict(config["resources"])
 
 
 def job_threads(name):
     """Threads of step `name` at this scale (config resources: default overlaid by rules.<name>); the
     SLURM executor asks for as many CPUs per task, `-c N` caps them on a local run."""
-    return _job_spec(name)["threads"]
+    return RESOURCES.of(name).threads
 
 
 def job_resources(name):
@@ -131,11 +128,10 @@ def job_resources(name):
     request. A step with several GPUs also gets nodes=1 (the executor's --nodes=1): its one task runs
     torchrun --standalone (`launcher`), which starts every rank on that task's node, so GPUs SLURM placed
     on another node would be out of reach."""
-    spec = _job_spec(name)
-    res = {"cpus_per_task": spec["threads"], "mem_mb": spec["mem_mb"], "runtime": spec["runtime"],
-           "gpu": spec.get("gpu", 0)}
-    if res["gpu"] and spec.get("gpu_model"):
-        res["gpu_model"] = spec["gpu_model"]
+    spec = RESOURCES.of(name)
+    res = {"cpus_per_task": spec.threads, "mem_mb": spec.mem_mb, "runtime": spec.runtime, "gpu": spec.gpu}
+    if res["gpu"] and spec.gpu_model:
+        res["gpu_model"] = spec.gpu_model
     if res["gpu"] > 1:
         res["nodes"] = 1
     return res
@@ -157,7 +153,7 @@ def check_resources_config():
     # rule kb and rule study exist only when config `kb` / `study` is given; a config may keep their
     # resources while leaving them out (config.yaml keeps the study's for the documented study command)
     conditional = {"kb", "study"}
-    unknown = set(config["resources"]["rules"]) - {r.name for r in workflow.rules} - conditional
+    unknown = set(RESOURCES.rules) - {r.name for r in workflow.rules} - conditional
     if unknown:
         raise ValueError(f"config resources.rules names unknown steps: {sorted(unknown)}")
 

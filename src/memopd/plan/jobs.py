@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memopd.config import plan_config, retrieval_config, rollout_config
+from memopd.config import JobResources, ResourcesConfig, plan_config, retrieval_config, rollout_config
 from memopd.inputs import ConfigError
 from memopd.plan.memory import act_per_token, call_input, kv_per_token
 from memopd.plan.models import BYTES, GB, Spec, resolve
@@ -69,16 +69,13 @@ class Job:
         return f"{k} {v / GB:.1f} GB = {f}"
 
 
-def _resources(cfg: dict, rule: str) -> dict:
-    r = dict(cfg["resources"]["default"])
-    r.update(cfg["resources"]["rules"].get(rule, {}))
-    return r
+def _resources(cfg: dict, rule: str) -> JobResources:
+    return ResourcesConfig.from_dict(cfg["resources"]).of(rule)
 
 
 def _job(cfg: dict, rule: str, instance: str = "", resources_of: str | None = None) -> Job:
     r, p = _resources(cfg, resources_of or rule), plan_config(cfg)
-    job = Job(f"{rule}[{instance}]" if instance else rule, rule, int(r.get("gpu", 0)), r["mem_mb"] * 1e6,
-              p.gpu_memory_gb * GB)
+    job = Job(f"{rule}[{instance}]" if instance else rule, rule, r.gpu, r.mem_mb * 1e6, p.gpu_memory_gb * GB)
     procs = max(job.gpus, 1)
     job.host["processes"] = (procs * p.process_gb * GB, f"{procs} x plan.process_gb {p.process_gb}")
     return job

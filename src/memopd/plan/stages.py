@@ -292,7 +292,7 @@ def _packing_job(cfg: dict, am: Spec) -> Job:
     audit.packing.activation_checkpointing each layer keeps its input and one layer's activations and scores exist
     at a time; prefix_shared then runs forward only."""
     audit, ro, pk = cfg["audit"], cfg["rollout"], cfg["audit"]["packing"]
-    bench, rule, gpu = audit["benchmark"], audit.get("rule"), _resources(cfg, "audit_packing_efficiency").get("gpu", 0) > 0
+    bench, rule, gpu = audit["benchmark"], audit.get("rule"), _resources(cfg, "audit_packing_efficiency").gpu > 0
     max_new = new_tokens(audit.get("max_new_tokens"), bench, ro["max_new_tokens"])
     turns, q = max_turns(cfg["agent"], bench), plan_config(cfg).prompt_tokens
     T = min(turns, max(c or turns for c in pk["real"]["calls"]))
