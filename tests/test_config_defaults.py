@@ -230,9 +230,9 @@ def test_the_typed_engines_take_only_the_keys_the_schema_declares():
 
 
 def test_the_typed_sections_take_the_schemas_keys_and_defaults():
-    """benchmarks (and its sources, qn, wiki_rag), kb, claims, rce, rce_rollouts, retrieval (and its bm25, dense, recall), plan, eval,
-    teacher and its LLM's server: the schema's keys are the dataclasses' fields and the defaults it states theirs; an
-    unknown key is refused naming its place, and a value outside the schema's enum too."""
+    """benchmarks (and its sources, qn, wiki_rag), kb, claims, rce, rce_rollouts, retrieval (and its bm25, dense,
+    recall), plan, eval, teacher and its LLM's server: the schema's keys are the dataclasses' fields and the defaults
+    it states theirs; an unknown key is refused naming its place, and a value outside the schema's enum too."""
     import yaml
 
     from memopd.inputs import ConfigError
@@ -279,7 +279,8 @@ def test_the_typed_sections_take_the_schemas_keys_and_defaults():
         ClaimsConfig.from_dict({"primary": ["1a"], "short": "q2_test"})
     for cls in (RCEConfig, RCERolloutsConfig):  # the schema's required keys, and every rule where none is listed
         key = cls.__name__[:-6].lower().replace("rollouts", "_rollouts")
-        assert set(props[key]["required"]) == {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        assert set(props[key]["required"]) == required
         given = {k: ["sdpa"] if k == "backends" else [1, 2] if k.endswith("_tokens") and cls is RCEConfig else 1
                  for k in props[key]["required"]}
         assert cls.from_dict({**given, "rules": []}).rules == tuple(RULES)

@@ -1,6 +1,7 @@
 """The config's sections as typed values (agent, rollout, benchmarks, kb, rce, rce_rollouts, retrieval, plan, eval,
-teacher, audit, claims, resources), parsed once where a command starts. Importable without torch: the Snakefile imports it at parse time
-(workflow/rules/common.smk), and so do the planner and the commands before they load any model.
+teacher, audit, claims, resources), parsed once where a command starts. Importable without torch: the Snakefile
+imports it at parse time (workflow/rules/common.smk), and so do the planner and the commands before they load any
+model.
 
 Config keys keep their spelling (workflow/schemas/config.schema.yaml documents them); a field may be named for
 what it is where the key is ambiguous: `rollout.backend` is the generation engine (`RolloutConfig.engine`), not
