@@ -32,7 +32,7 @@ def tokenizer():
     from memopd.models import train_tokenizer
 
     texts = list(itertools.islice(corpus_texts(DATA), 3000))
-    return train_tokenizer(texts, 2048, tempfile.mkdtemp(prefix="memopd_tok_"))
+    return train_tokenizer(texts, 2048, tempfile.mkdtemp(prefix="memopd_tok_"), min_frequency=2)
 
 
 # Tiny Qwen2-architecture models for unit tests (random init: a random model is the point there); the

@@ -15,7 +15,7 @@ from memopd.config import (AgentConfig, AuditRollout, AuditScoring, BenchmarksCo
                            ColocatedEngineConfig, DenseConfig, EngineConfig, EvalConfig, KBConfig, PackingAudit,
                            PlanConfig, QASourceConfig, QnConfig, QnSetConfig, RCEConfig, RCERolloutsConfig,
                            RecallConfig, RetrievalConfig, RolloutConfig, RULES, TeacherConfig, TeacherServerConfig,
-                           WikiRagConfig, rollout_config)
+                           TokenizerConfig, WikiRagConfig, rollout_config)
 from memopd.sft.trainer import TrainConfig
 from memopd.train.config import PPO_FIELD_OF_KEY, RunConfig
 from memopd.train.update import PPOConfig
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TYPED = (AgentConfig, RolloutConfig, EngineConfig, ColocatedEngineConfig, RunConfig, PPOConfig, TrainConfig,
          RetrievalConfig, BM25Config, DenseConfig, RecallConfig, PlanConfig, EvalConfig, TeacherConfig,
          TeacherServerConfig, AuditScoring, AuditRollout, PackingAudit, BenchmarksConfig, QASourceConfig, QnConfig,
-         QnSetConfig, WikiRagConfig, KBConfig, ClaimsConfig, RCEConfig, RCERolloutsConfig)
+         QnSetConfig, WikiRagConfig, KBConfig, ClaimsConfig, RCEConfig, RCERolloutsConfig, TokenizerConfig)
 # reads of such a key name with a fallback that are not a typed section's: (file, key) -> why
 NOT_A_TYPED_SECTION = {
     ("audit/steps.py", "rule"): "an episode file's recorded metadata, '?' when absent",
@@ -231,8 +231,9 @@ def test_the_typed_engines_take_only_the_keys_the_schema_declares():
 
 def test_the_typed_sections_take_the_schemas_keys_and_defaults():
     """benchmarks (and its sources, qn, wiki_rag), kb, claims, rce, rce_rollouts, retrieval (and its bm25, dense,
-    recall), plan, eval, teacher and its LLM's server: the schema's keys are the dataclasses' fields and the defaults
-    it states theirs; an unknown key is refused naming its place, and a value outside the schema's enum too."""
+    recall), plan, eval, teacher and its LLM's server, tokenizer: the schema's keys are the dataclasses' fields and
+    the defaults it states theirs; an unknown key is refused naming its place, and a value outside the schema's enum
+    too."""
     import yaml
 
     from memopd.inputs import ConfigError
@@ -249,7 +250,8 @@ def test_the_typed_sections_take_the_schemas_keys_and_defaults():
              (ret["bm25"]["properties"], BM25Config), (ret["dense"]["properties"], DenseConfig),
              (ret["recall"]["properties"], RecallConfig), (props["plan"]["properties"], PlanConfig),
              (props["eval"]["properties"], EvalConfig), (props["teacher"]["properties"], TeacherConfig),
-             (props["teacher"]["properties"]["llm"]["properties"]["server"]["properties"], TeacherServerConfig)]
+             (props["teacher"]["properties"]["llm"]["properties"]["server"]["properties"], TeacherServerConfig),
+             (props["tokenizer"]["properties"], TokenizerConfig)]
     for keys, cls in pairs:
         assert set(keys) == {f.name for f in dataclasses.fields(cls)}, cls.__name__
         for f in dataclasses.fields(cls):

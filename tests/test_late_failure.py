@@ -44,7 +44,7 @@ def test_sft_and_pretraining_killed_in_their_last_writes_retrain_nothing(stage, 
 
     init = tmp_path / "init"
     tiny().save_pretrained(init)
-    train_tokenizer([f"word{i} thing{i % 7}" for i in range(200)], 300, init)
+    train_tokenizer([f"word{i} thing{i % 7}" for i in range(200)], 300, init, min_frequency=2)
     save_episodes(tmp_path / "ex.parquet", turn_examples(episodes(), min_reward=0.5)[0])
     sft = {**TINY_SFT, "seq_len": 160, "student": {"steps": 3}, "pretrain": {"student": {"steps": 3}}}
     argv = ["sft", "train", "--cfg", json.dumps(sft), "--tracking", tracking, "--seed", "1", "--threads", "1",

@@ -16,7 +16,7 @@ def tok_dir(tmp_path_factory):
     from itertools import islice
 
     out = tmp_path_factory.mktemp("tok")
-    train_tokenizer(islice(corpus_texts("data"), 2000), vocab_size=600, out_dir=out)
+    train_tokenizer(islice(corpus_texts("data"), 2000), vocab_size=600, out_dir=out, min_frequency=2)
     return out
 
 
@@ -98,3 +98,20 @@ def test_the_packaged_base_model_de_quantises_to_a_tied_checkpoint(tmp_path):
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])  # a real pretrained LM, not random weights
+
+
+def test_memopd_tokenizer_merges_a_pair_seen_twice_by_default_and_not_one_seen_once(tmp_path):
+    """`memopd tokenizer` with only vocab_size: the section's min_frequency (2) decides. 'qx' occurs twice and
+    'zj' once, each across words, so the BPE's merges show which count was the threshold."""
+    from memopd.cli import main
+
+    lines = [{"id": i, "contents": f'"T{i}"\n{w}'} for i, w in enumerate(["aqx", "bqx", "czj"])]
+    (tmp_path / "w.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    cfg = {"vocab_size": 400, "files": [{"format": "wiki18", "path": "w.jsonl"}]}
+    main(["tokenizer", "--data-dir", str(tmp_path), "--out", str(tmp_path / "tok"), "--cfg", json.dumps(cfg)])
+    vocab = load_tokenizer(tmp_path / "tok").get_vocab()
+    assert "qx" in vocab and "zj" not in vocab
+    with pytest.raises(SystemExit) as e:
+        main(["tokenizer", "--data-dir", str(tmp_path), "--out", str(tmp_path / "t2"),
+              "--cfg", json.dumps({**cfg, "min_freq": 3})])
+    assert e.value.code == 2

@@ -314,7 +314,7 @@ def test_snapshot_cli_publishes_the_runs_own_snapshot_only(tmp_path, capsys):
 
     init = tmp_path / "init"
     tiny().save_pretrained(init)
-    train_tokenizer([f"word{i} thing{i % 7}" for i in range(200)], 300, init)
+    train_tokenizer([f"word{i} thing{i % 7}" for i in range(200)], 300, init, min_frequency=2)
     save_episodes(tmp_path / "ex.parquet", turn_examples(episodes(), min_reward=0.5)[0])
     sft = {**TINY_SFT, "seq_len": 160, "student": {"steps": 4, "snapshots": [2, 3]}}
     main(["sft", "train", "--cfg", json.dumps(sft), "--seed", "1", "--threads", "1", "--role", "student",
@@ -567,7 +567,8 @@ def test_sft_repeats_config_and_its_tokens(tmp_path):
         with pytest.raises(ValueError, match="repeat"):
             TrainConfig.from_section({**TINY_SFT, **bad}, "student")
     assert TrainConfig.from_section({**TINY_SFT, "repeats": 1, "repeat_length": [4, 31]}, "student").repeats == 1
-    train_tokenizer([f"the river {i} flows into the sea near town {i % 5}" for i in range(40)], 300, tmp_path)
+    train_tokenizer([f"the river {i} flows into the sea near town {i % 5}" for i in range(40)], 300, tmp_path,
+                    min_frequency=2)
     from memopd.models import load_tokenizer
     tok = load_tokenizer(tmp_path)
     ex = stage_repeats(str(tmp_path), cfg, seed=1)
@@ -673,7 +674,7 @@ def test_pretrain_cli_then_sft_from_its_output(tmp_path, capsys):
     Qwen2ForCausalLM(Qwen2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
                                  use_sliding_window=False)).save_pretrained(init)
-    train_tokenizer(texts, 300, init)
+    train_tokenizer(texts, 300, init, min_frequency=2)
     sft = {**TINY_SFT, "pretrain": {"lm_text": True, "copy": {"per_text": 1, "span": [3, 6]}, "student": {"steps": 3}}}
     common = ["--cfg", json.dumps(sft), "--seed", "3"]
     main(["sft", "lm-data", *common, "--corpus", str(tmp_path / "corpus.parquet"), "--tokenizer", str(init),
@@ -754,7 +755,7 @@ def test_a_role_trains_on_its_layouts_and_is_held_out_on_the_exact_states(tmp_pa
 
     init = tmp_path / "init"
     tiny().save_pretrained(init)
-    train_tokenizer([f"word{i} and word{i + 1}" for i in range(60)], 300, init)
+    train_tokenizer([f"word{i} and word{i + 1}" for i in range(60)], 300, init, min_frequency=2)
     save_episodes(tmp_path / "traj.parquet", episodes())
     sft = {**TINY_SFT, "teacher": {"steps": 1, "layouts": ["exact", "persistent"]}, "student": {"steps": 1},
            "seq_len": 256}

@@ -274,7 +274,7 @@ def _end_to_end(store, tmp_path):
     Qwen2ForCausalLM(Qwen2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
                                  use_sliding_window=False)).save_pretrained(init)
-    train_tokenizer(["a tiny corpus for a tokenizer"] * 10, 300, init)
+    train_tokenizer(["a tiny corpus for a tokenizer"] * 10, 300, init, min_frequency=2)
     sft = {"min_reward": 0.5, "seq_len": 128, "grad_accum": 2, "lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 1,
            "weight_decay": 0.0, "betas": [0.9, 0.95], "adam_eps": 1e-8, "clip": 1.0, "eval_fraction": 0.2,
            "eval_every": 3, "checkpoint_every": 4, "precision": "fp32", "mode": "packed", "backend": "segmented",

@@ -141,7 +141,7 @@ def test_an_sft_job_with_the_server_down_through_its_end(up, tmp_path):
 
     init = tmp_path / "init"
     tiny().save_pretrained(init)
-    train_tokenizer([f"word{i} thing{i % 7}" for i in range(200)], 300, init)
+    train_tokenizer([f"word{i} thing{i % 7}" for i in range(200)], 300, init, min_frequency=2)
     save_episodes(tmp_path / "ex.parquet", turn_examples(episodes(), min_reward=0.5)[0])
     tracking = json.dumps({"uri": up.uri, "experiment": "memopd", "spool": str(tmp_path / "spool"), **SETTINGS})
     up.stop()

@@ -150,7 +150,7 @@ def test_rce_command_writes_the_contract(tmp_path):
     from memopd.data import corpus_texts
     from memopd.models import init_model, train_tokenizer
 
-    train_tokenizer(islice(corpus_texts(ROOT / "data"), 1000), 500, tmp_path / "tok")
+    train_tokenizer(islice(corpus_texts(ROOT / "data"), 1000), 500, tmp_path / "tok", min_frequency=2)
     arch = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
             "num_key_value_heads": 1}
     init_model(arch, tmp_path / "m", seed=0, tokenizer_path=tmp_path / "tok")

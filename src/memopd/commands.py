@@ -7,23 +7,23 @@ import random
 import sys
 from pathlib import Path
 
-from memopd.config import RCEConfig
+from memopd.config import RCEConfig, TokenizerConfig
 from memopd.inputs import UsageError, existing, require
 from memopd.outputs import write_csv, write_json
 
 
 def cmd_tokenizer(args, cfg):
     from memopd.data import corpus_texts
-    from memopd.models import TOKENIZER_MIN_FREQUENCY, train_tokenizer
+    from memopd.models import train_tokenizer
 
-    require(cfg, "vocab_size")
+    tc = TokenizerConfig.from_dict(cfg)
     existing(args.data_dir)
-    texts = corpus_texts(args.data_dir, cfg.get("files"))
-    if cfg.get("prompts"):  # the agent protocol's fixed text, so that it costs few tokens per call
+    texts = corpus_texts(args.data_dir, None if tc.files is None else list(tc.files))
+    if tc.prompts:
         from memopd.agent.protocol import protocol_texts
 
         texts = itertools.chain(protocol_texts(), texts)
-    tok = train_tokenizer(texts, cfg["vocab_size"], args.out, cfg.get("min_frequency", TOKENIZER_MIN_FREQUENCY))
+    tok = train_tokenizer(texts, tc.vocab_size, args.out, min_frequency=tc.min_frequency)
     write_json(Path(args.out) / "memopd_tokenizer.json", {"config": cfg, "data_dir": args.data_dir, "size": len(tok)})
     print(f"tokenizer: {len(tok)} tokens -> {args.out}")
 

@@ -286,6 +286,21 @@ class KBConfig:
 
 
 @dataclass(frozen=True)
+class TokenizerConfig:
+    """The `tokenizer` section (`memopd tokenizer`): the offline byte-level BPE trained on data/."""
+
+    vocab_size: int
+    min_frequency: int = 2  # a pair merged only when seen this often
+    files: tuple[dict, ...] | None = None  # {format, path} under data_dir; None: the committed samples
+    prompts: bool = False  # also train on the agent protocol's fixed text, so that it costs few tokens per call
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "tokenizer") -> "TokenizerConfig":
+        d = _required(_known(d, cls, key), cls, key)
+        return cls(**{**d, "files": None if d.get("files") is None else tuple(d["files"])})
+
+
+@dataclass(frozen=True)
 class RCEConfig:
     """The `rce` section (`memopd rce`): random episodes of the rules, each packed call against the call run alone,
     on every backend."""

@@ -32,12 +32,9 @@ TINY_ARCH_DEFAULTS = {"max_position_embeddings": 4096, "rope_theta": 10000.0, "t
 BASE_KEYS = ("package", "version", "module", "file", "sha256")  # what packaged_model reads of models.base
 
 
-TOKENIZER_MIN_FREQUENCY = 2  # tokenizer.min_frequency: a pair merged only when seen this often
-
-
-def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path,
-                    min_frequency: int = TOKENIZER_MIN_FREQUENCY):
-    """Train a byte-level BPE on `texts` (offline) and save it with `save_pretrained`."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, *, min_frequency: int):
+    """Train a byte-level BPE on `texts` (offline) and save it with `save_pretrained`; a pair is merged only when
+    seen `min_frequency` times (config tokenizer.min_frequency, its default memopd.config.TokenizerConfig's)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

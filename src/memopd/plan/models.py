@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from memopd.config import plan_config
+from memopd.config import TokenizerConfig, plan_config
 
 GB = 1e9
 BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "auto": 2}
@@ -100,7 +100,7 @@ def role_spec(cfg: dict, role: str) -> Spec:
     m = cfg["models"][role]
     if "pretrained" in m:
         return resolve(m["pretrained"], cfg)
-    return spec_from_config(role, {**m, "vocab_size": cfg["tokenizer"]["vocab_size"]})
+    return spec_from_config(role, {**m, "vocab_size": TokenizerConfig.from_dict(cfg["tokenizer"]).vocab_size})
 
 
 def model_role(name: str) -> str:
