@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from memopd.config import (AgentConfig, AuditRollout, AuditScoring, BenchmarksConfig, BM25Config, ClaimsConfig,
-                           ColocatedEngineConfig, DenseConfig, EngineConfig, EvalConfig, KBConfig, PackingAudit,
-                           PlanConfig, QASourceConfig, QnConfig, QnSetConfig, RCEConfig, RCERolloutsConfig,
-                           RecallConfig, RetrievalConfig, RolloutConfig, RULES, TeacherConfig, TeacherServerConfig,
-                           TokenizerConfig, WikiRagConfig, rollout_config)
+                           ColocatedEngineConfig, DenseConfig, EngineConfig, EvalConfig, HubConfig, KBConfig,
+                           PackingAudit, PlanConfig, QASourceConfig, QnConfig, QnSetConfig, RCEConfig,
+                           RCERolloutsConfig, RecallConfig, RetrievalConfig, RolloutConfig, RULES, StudyConfig,
+                           TeacherConfig, TeacherServerConfig, TokenizerConfig, WikiRagConfig, rollout_config)
 from memopd.sft.trainer import TrainConfig
 from memopd.train.config import PPO_FIELD_OF_KEY, RunConfig
 from memopd.train.update import PPOConfig
@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TYPED = (AgentConfig, RolloutConfig, EngineConfig, ColocatedEngineConfig, RunConfig, PPOConfig, TrainConfig,
          RetrievalConfig, BM25Config, DenseConfig, RecallConfig, PlanConfig, EvalConfig, TeacherConfig,
          TeacherServerConfig, AuditScoring, AuditRollout, PackingAudit, BenchmarksConfig, QASourceConfig, QnConfig,
-         QnSetConfig, WikiRagConfig, KBConfig, ClaimsConfig, RCEConfig, RCERolloutsConfig, TokenizerConfig)
+         QnSetConfig, WikiRagConfig, KBConfig, ClaimsConfig, RCEConfig, RCERolloutsConfig, TokenizerConfig,
+         HubConfig, StudyConfig)
 # reads of such a key name with a fallback that are not a typed section's: (file, key) -> why
 NOT_A_TYPED_SECTION = {
     ("audit/steps.py", "rule"): "an episode file's recorded metadata, '?' when absent",
@@ -231,9 +232,9 @@ def test_the_typed_engines_take_only_the_keys_the_schema_declares():
 
 def test_the_typed_sections_take_the_schemas_keys_and_defaults():
     """benchmarks (and its sources, qn, wiki_rag), kb, claims, rce, rce_rollouts, retrieval (and its bm25, dense,
-    recall), plan, eval, teacher and its LLM's server, tokenizer: the schema's keys are the dataclasses' fields and
-    the defaults it states theirs; an unknown key is refused naming its place, and a value outside the schema's enum
-    too."""
+    recall), plan, eval, teacher and its LLM's server, tokenizer, hub, study: the schema's keys are the dataclasses'
+    fields and the defaults it states theirs; an unknown key is refused naming its place, and a value outside the
+    schema's enum too."""
     import yaml
 
     from memopd.inputs import ConfigError
@@ -251,7 +252,8 @@ def test_the_typed_sections_take_the_schemas_keys_and_defaults():
              (ret["recall"]["properties"], RecallConfig), (props["plan"]["properties"], PlanConfig),
              (props["eval"]["properties"], EvalConfig), (props["teacher"]["properties"], TeacherConfig),
              (props["teacher"]["properties"]["llm"]["properties"]["server"]["properties"], TeacherServerConfig),
-             (props["tokenizer"]["properties"], TokenizerConfig)]
+             (props["tokenizer"]["properties"], TokenizerConfig), (props["hub"]["properties"], HubConfig),
+             (props["study"]["properties"], StudyConfig)]
     for keys, cls in pairs:
         assert set(keys) == {f.name for f in dataclasses.fields(cls)}, cls.__name__
         for f in dataclasses.fields(cls):
@@ -277,6 +279,12 @@ def test_the_typed_sections_take_the_schemas_keys_and_defaults():
         BenchmarksConfig.from_dict({"qn": {"sets": [{"n": 2, "split": "test"}]}})
     with pytest.raises(ConfigError, match=r"unknown kb keys \['persons'\]"):
         KBConfig.from_dict({"persons": 10})
+    with pytest.raises(ConfigError, match=r"unknown hub keys \['revision'\]"):
+        HubConfig.from_dict({"home": "hf", "revision": {}})
+    with pytest.raises(ConfigError, match="config section 'hub' has no 'revisions'"):
+        HubConfig.from_dict({"home": "hf"})
+    with pytest.raises(ConfigError, match="study.configs names no config file"):
+        StudyConfig.from_dict({"configs": []})
     with pytest.raises(ConfigError, match="config section 'claims' has no 'long'"):
         ClaimsConfig.from_dict({"primary": ["1a"], "short": "q2_test"})
     for cls in (RCEConfig, RCERolloutsConfig):  # the schema's required keys, and every rule where none is listed

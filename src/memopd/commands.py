@@ -7,7 +7,7 @@ import random
 import sys
 from pathlib import Path
 
-from memopd.config import RCEConfig, TokenizerConfig
+from memopd.config import HubConfig, RCEConfig, TokenizerConfig
 from memopd.inputs import UsageError, existing, require
 from memopd.outputs import write_csv, write_json
 
@@ -163,7 +163,7 @@ def cmd_prefetch(args, cfg):
         section(full, "retrieval", "corpus")
         section(full, "benchmarks", "sources")
         try:
-            cfg = {"home": section(full, "hub", "home")["home"], "repos": hub_repos(full)}
+            cfg = {"home": HubConfig.from_dict(full["hub"]).home, "repos": hub_repos(full)}
         except ValueError as e:  # a repository without a pinned commit
             raise ConfigError(str(e)) from None
     require(cfg, "home", "repos")

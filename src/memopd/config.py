@@ -301,6 +301,34 @@ class TokenizerConfig:
 
 
 @dataclass(frozen=True)
+class HubConfig:
+    """The `hub` section (memopd.prefetch, paper scale): where the jobs find the hub repositories the config names,
+    each pinned to a commit."""
+
+    home: str  # HF_HOME of every job, on the shared file system
+    revisions: dict[str, str]  # repository id -> full commit hash
+    ignore: dict[str, list[str]] = field(default_factory=dict)  # repository id -> file patterns left out
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "hub") -> "HubConfig":
+        return cls(**_required(_known(d, cls, key), cls, key))
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """The `study` section (rule study): the controlled study's config files, merged in order."""
+
+    configs: tuple[str, ...]
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "study") -> "StudyConfig":
+        d = _required(_known(d, cls, key), cls, key)
+        if not d["configs"]:
+            raise ConfigError(f"{key}.configs names no config file")
+        return cls(tuple(d["configs"]))
+
+
+@dataclass(frozen=True)
 class RCEConfig:
     """The `rce` section (`memopd rce`): random episodes of the rules, each packed call against the call run alone,
     on every backend."""

@@ -23,7 +23,7 @@ import json
 import re
 from pathlib import Path
 
-from memopd.config import DenseConfig
+from memopd.config import DenseConfig, HubConfig
 
 # vLLM's gpt-oss (the harmony format) loads tiktoken encodings from the internet when its server starts; they
 # are not in the model repository. Fetched here with the sha256 that tiktoken itself expects
@@ -68,8 +68,8 @@ def _places(cfg: dict):
 def hub_repos(cfg: dict) -> list[dict]:
     """Every hub repository `cfg` names, once: {repo, type, revision, allow, ignore}. Refuses a repository
     without a pinned revision in hub.revisions, or one pinned to anything but a full 40-hex commit hash."""
-    hub = cfg.get("hub") or {}
-    revisions, ignore = hub.get("revisions") or {}, hub.get("ignore") or {}
+    hub = HubConfig.from_dict(cfg["hub"]) if cfg.get("hub") else HubConfig("", {})  # none: every name refused
+    revisions, ignore = hub.revisions, hub.ignore
     repos, bad = {}, []
     for kind, name, allow, section, _ in _places(cfg):
         rev = revisions.get(name)
@@ -100,7 +100,7 @@ def localize(cfg: dict) -> dict:
     cache). Unchanged without a hub section (the embedded default)."""
     if not cfg.get("hub"):
         return cfg
-    out = copy.deepcopy(cfg)
+    home, out = HubConfig.from_dict(cfg["hub"]).home, copy.deepcopy(cfg)
     if out["retrieval"].get("backend") == "e5":  # the encoder by default too: named, so that it is localized
         out["retrieval"]["dense"] = {"model": DenseConfig.model, **(out["retrieval"].get("dense") or {})}
     pins = {(r["type"], r["repo"]): r["revision"] for r in hub_repos(cfg)}
@@ -109,7 +109,7 @@ def localize(cfg: dict) -> dict:
         if key == "repo":
             section["revision"] = rev
         else:
-            section[key] = str(snapshot_dir(cfg["hub"]["home"], name, kind, rev))
+            section[key] = str(snapshot_dir(home, name, kind, rev))
             section.pop("revision", None)  # a local directory has no revisions
     return out
 

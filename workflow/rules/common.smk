@@ -38,8 +38,8 @@ PYTHON_ONLINE = 'PYTHONPATH="$MEMOPD_SRC${PYTHONPATH:+:$PYTHONPATH}" "$MEMOPD_PY
 sys.path.insert(0, SRC)  # this checkout's library, as the jobs run it
 try:
     from memopd.codegraph import command_hash, command_targets, package_hash
-    from memopd.config import (RULES, BenchmarksConfig, ResourcesConfig, eval_job_config, matched_control_config,
-                               method_section, plan_config, teacher_config, trained_runs)
+    from memopd.config import (RULES, BenchmarksConfig, HubConfig, ResourcesConfig, StudyConfig, eval_job_config,
+                               matched_control_config, method_section, plan_config, teacher_config, trained_runs)
     from memopd.data.compose import task_sets
     from memopd.methods import METHODS, teacher_model
     from memopd.prefetch import encodings_dir, hub_repos, localize
@@ -50,17 +50,18 @@ try:
 finally:
     sys.path.remove(SRC)
 COMMANDS = command_targets(Path(SRC))  # "audit alignment" -> "memopd.audit.commands:cmd_audit_alignment"
-HUB_REPOS = hub_repos(config) if config.get("hub") else []  # refuses an unpinned repository before any job starts
-HUB_MANIFEST = ["results/prefetch/manifest.json"] if config.get("hub") else []
+HUB = HubConfig.from_dict(config["hub"]) if config.get("hub") else None
+HUB_REPOS = hub_repos(config) if HUB else []  # refuses an unpinned repository before any job starts
+HUB_MANIFEST = ["results/prefetch/manifest.json"] if HUB else []
 JOB_CONFIG = localize(config)
 # Every job also gets the tiktoken encodings that vLLM's gpt-oss loads at start-up (prefetched into hub.home) and
 # compile caches of its own in node-local temporary space: vLLM, Triton and Inductor otherwise share ~/.cache
 # among all concurrent engines of a cluster.
 _CACHE = '"${TMPDIR:-/tmp}/memopd-cache-$$'
-_OFFLINE = (f"HF_HOME={shlex.quote(config['hub']['home'])} HF_HUB_OFFLINE=1 "
-            f"TIKTOKEN_ENCODINGS_BASE={shlex.quote(str(encodings_dir(config['hub']['home'])))} "
+_OFFLINE = (f"HF_HOME={shlex.quote(HUB.home)} HF_HUB_OFFLINE=1 "
+            f"TIKTOKEN_ENCODINGS_BASE={shlex.quote(str(encodings_dir(HUB.home)))} "
             f'VLLM_CACHE_ROOT={_CACHE}/vllm" TRITON_CACHE_DIR={_CACHE}/triton" '
-            f'TORCHINDUCTOR_CACHE_DIR={_CACHE}/inductor" ') if config.get("hub") else ""
+            f'TORCHINDUCTOR_CACHE_DIR={_CACHE}/inductor" ') if HUB else ""
 # config `label` (the controlled study): every table caption starts with it (memopd.outputs.LABEL_VAR)
 _LABEL = f"MEMOPD_LABEL={shlex.quote(config['label'])} " if config.get("label") else ""
 PYTHON = _LABEL + _OFFLINE + PYTHON_ONLINE

@@ -13,7 +13,7 @@ rule prefetch:
     params:
         # without HF_HUB_OFFLINE, and without HF_HOME: the download finds the login's token in its own HF_HOME
         memopd=f"{PYTHON_ONLINE} -m memopd.cli",
-        cfg=json.dumps({"home": (config.get("hub") or {}).get("home"), "repos": HUB_REPOS}, sort_keys=True),
+        cfg=json.dumps({"home": HUB.home if HUB else None, "repos": HUB_REPOS}, sort_keys=True),
     log:
         f"{LOGS}/prefetch.log",
     benchmark:

@@ -5,9 +5,9 @@
 # job's cores; its own jobs keep their logs and benchmark files (results/study/results/logs/), so
 # `workflow/scripts/job_times.py results/study/results/logs/bench` splits its time by rule.
 
-STUDY = config.get("study")
+STUDY = StudyConfig.from_dict(config["study"]) if config.get("study") else None
 
-STUDY_CONFIG = merge_files(STUDY["configs"]) if STUDY else {}  # the nested workflow's config (as Snakemake merges it)
+STUDY_CONFIG = merge_files(list(STUDY.configs)) if STUDY else {}  # the nested workflow's config (as Snakemake merges it)
 STUDY_DIR = "results/study"
 # What the study reports, relative to STUDY_DIR (the nested workflow's targets).
 STUDY_TABLES = ["results/tables/retrieval_recall.csv", "results/tables/sft_summary.csv",
@@ -34,7 +34,7 @@ if STUDY:
 
     rule study:
         input:
-            configs=STUDY["configs"],
+            configs=list(STUDY.configs),
         output:
             tables=[report(f"{STUDY_DIR}/{t}", caption=caption("study"), category=REPORT_STUDY) for t in STUDY_TABLES],
             md=[f"{STUDY_DIR}/{t}" for t in STUDY_MD],
