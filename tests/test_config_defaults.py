@@ -13,9 +13,10 @@ import pytest
 
 from memopd.config import (AgentConfig, AuditRollout, AuditScoring, BenchmarksConfig, BM25Config, ClaimsConfig,
                            ColocatedEngineConfig, DenseConfig, EngineConfig, EvalConfig, HubConfig, KBConfig,
-                           PackingAudit, PlanConfig, QASourceConfig, QnConfig, QnSetConfig, RCEConfig,
-                           RCERolloutsConfig, RecallConfig, RetrievalConfig, RolloutConfig, RULES, StudyConfig,
-                           TeacherConfig, TeacherServerConfig, TokenizerConfig, WikiRagConfig, rollout_config)
+                           PackagedModelConfig, PackingAudit, PlanConfig, PretrainedModelConfig, QASourceConfig,
+                           QnConfig, QnSetConfig, RCEConfig, RCERolloutsConfig, RecallConfig, RetrievalConfig,
+                           RolloutConfig, RULES, StudyConfig, TeacherConfig, TeacherServerConfig, TinyModelConfig,
+                           TokenizerConfig, WikiRagConfig, model_config, rollout_config)
 from memopd.sft.trainer import TrainConfig
 from memopd.train.config import PPO_FIELD_OF_KEY, RunConfig
 from memopd.train.update import PPOConfig
@@ -25,7 +26,7 @@ TYPED = (AgentConfig, RolloutConfig, EngineConfig, ColocatedEngineConfig, RunCon
          RetrievalConfig, BM25Config, DenseConfig, RecallConfig, PlanConfig, EvalConfig, TeacherConfig,
          TeacherServerConfig, AuditScoring, AuditRollout, PackingAudit, BenchmarksConfig, QASourceConfig, QnConfig,
          QnSetConfig, WikiRagConfig, KBConfig, ClaimsConfig, RCEConfig, RCERolloutsConfig, TokenizerConfig,
-         HubConfig, StudyConfig)
+         HubConfig, StudyConfig, PretrainedModelConfig, TinyModelConfig, PackagedModelConfig)
 # reads of such a key name with a fallback that are not a typed section's: (file, key) -> why
 NOT_A_TYPED_SECTION = {
     ("audit/steps.py", "rule"): "an episode file's recorded metadata, '?' when absent",
@@ -41,7 +42,6 @@ NOT_A_TYPED_SECTION = {
     ("evaluation/evaluate.py", "invalid_action"): "rce_rollouts' override, else the typed agent section's",
     ("sft/trainer.py", "steps"): "sft.pretrain.<role>.steps: no pre-training stage when absent",
     ("study/chain.py", "snapshots"): "read when the Snakefile is parsed (no torch): none when absent",
-    ("models.py", "dtype"): "models.<role>.dtype, declared once in models.pretrained_dtype",
     ("config.py", "engine"): "teacher.llm.engine: LLM_ENGINES[0], the constant teachers.llm.LLMConfig's default is",
     ("prefetch.py", "model"): "teacher.llm.model: the LLM teacher's model, a required key when kind is llm",
 }
@@ -118,7 +118,6 @@ NOT_THE_CONFIG = {
     ("audit/packing_bench.py", "episodes"): "a result row's episode kind, 'synthetic' for the synthetic sweep's",
     **{("audit/steps.py", k): "an episode file's recorded metadata, '?' when absent"
        for k in ("benchmark", "rule", "invalid_action", "temperature", "max_new_tokens", "backend", "seed")},
-    ("models.py", "dtype"): "models.<role>.dtype, declared once in models.pretrained_dtype",
     ("plan/jobs.py", "gpu"): "resources.rules.<step>.gpu over resources.default: no GPU when neither names one",
     ("plan/stages.py", "gpu"): "resources.rules.<step>.gpu over resources.default: no GPU when neither names one",
     ("plan/models.py", "params"): "a model's config.json or plan.models entry: 0 = count them from the shapes",
@@ -232,9 +231,9 @@ def test_the_typed_engines_take_only_the_keys_the_schema_declares():
 
 def test_the_typed_sections_take_the_schemas_keys_and_defaults():
     """benchmarks (and its sources, qn, wiki_rag), kb, claims, rce, rce_rollouts, retrieval (and its bm25, dense,
-    recall), plan, eval, teacher and its LLM's server, tokenizer, hub, study: the schema's keys are the dataclasses'
-    fields and the defaults it states theirs; an unknown key is refused naming its place, and a value outside the
-    schema's enum too."""
+    recall), plan, eval, teacher and its LLM's server, tokenizer, hub, study, a model (pretrained, tiny, packaged):
+    the schema's keys are the dataclasses' fields and the defaults it states theirs; an unknown key is refused
+    naming its place, and a value outside the schema's enum too."""
     import yaml
 
     from memopd.inputs import ConfigError
@@ -253,7 +252,10 @@ def test_the_typed_sections_take_the_schemas_keys_and_defaults():
              (props["eval"]["properties"], EvalConfig), (props["teacher"]["properties"], TeacherConfig),
              (props["teacher"]["properties"]["llm"]["properties"]["server"]["properties"], TeacherServerConfig),
              (props["tokenizer"]["properties"], TokenizerConfig), (props["hub"]["properties"], HubConfig),
-             (props["study"]["properties"], StudyConfig)]
+             (props["study"]["properties"], StudyConfig),
+             (schema["$defs"]["pretrained_model"]["properties"], PretrainedModelConfig),
+             (schema["$defs"]["tiny_model"]["properties"], TinyModelConfig),
+             (schema["$defs"]["packaged_model"]["properties"], PackagedModelConfig)]
     for keys, cls in pairs:
         assert set(keys) == {f.name for f in dataclasses.fields(cls)}, cls.__name__
         for f in dataclasses.fields(cls):
@@ -283,6 +285,12 @@ def test_the_typed_sections_take_the_schemas_keys_and_defaults():
         HubConfig.from_dict({"home": "hf", "revision": {}})
     with pytest.raises(ConfigError, match="config section 'hub' has no 'revisions'"):
         HubConfig.from_dict({"home": "hf"})
+    with pytest.raises(ConfigError, match=r"unknown models.student keys \['hidden'\]"):
+        model_config({"hidden": 8}, "models.student")
+    with pytest.raises(ConfigError, match=r"unknown models.<role> keys \['hidden_size'\]"):  # pretrained: no sizes
+        model_config({"pretrained": "org/m", "hidden_size": 8})
+    with pytest.raises(ConfigError, match="config section 'models.base' has no 'sha256'"):
+        PackagedModelConfig.from_dict({"package": "p", "version": "1", "module": "m", "file": "f"})
     with pytest.raises(ConfigError, match="study.configs names no config file"):
         StudyConfig.from_dict({"configs": []})
     with pytest.raises(ConfigError, match="config section 'claims' has no 'long'"):

@@ -115,3 +115,27 @@ def test_memopd_tokenizer_merges_a_pair_seen_twice_by_default_and_not_one_seen_o
         main(["tokenizer", "--data-dir", str(tmp_path), "--out", str(tmp_path / "t2"),
               "--cfg", json.dumps({**cfg, "min_freq": 3})])
     assert e.value.code == 2
+
+
+def test_a_tiny_model_without_its_optional_sizes_gets_the_declared_ones(tok_dir):
+    """models.<role> leaving out max_position_embeddings, rope_theta and tie_word_embeddings: 4096 positions,
+    RoPE theta 10000 and separate input and output embeddings."""
+    minimal = {k: v for k, v in ARCH.items() if k != "max_position_embeddings"}
+    c = build_tiny_model(minimal, load_tokenizer(tok_dir), seed=0).config
+    assert (c.max_position_embeddings, c.rope_parameters["rope_theta"], c.tie_word_embeddings) == (4096, 1e4, False)
+    with pytest.raises(ValueError, match=r"unknown models.<role> keys \['hidden'\]"):
+        build_tiny_model({**ARCH, "hidden": 8}, load_tokenizer(tok_dir), seed=0)
+
+
+def test_a_pretrained_model_without_a_dtype_is_stored_in_bfloat16(tok_dir, tmp_path):
+    """models.<role> = {pretrained: a local checkpoint}: init_model loads and saves it in bfloat16 unless the
+    section names a dtype."""
+    from safetensors import safe_open
+
+    init_model(ARCH, tmp_path / "src", seed=0, tokenizer_path=tok_dir)  # a float32 checkpoint to start from
+    for spec, want in (({"pretrained": str(tmp_path / "src")}, "BF16"),
+                       ({"pretrained": str(tmp_path / "src"), "dtype": "float32"}, "F32")):
+        out = tmp_path / want
+        init_model(spec, out, seed=0)
+        with safe_open(out / "model.safetensors", "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {want}

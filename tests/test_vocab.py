@@ -43,7 +43,8 @@ def test_the_same_tokenizer_passes_and_a_different_one_is_refused_naming_the_ids
 
 
 def test_what_cannot_be_checked_offline_is_left_to_the_train_step(tmp_path):
-    tiny = {"hidden_size": 8}
+    tiny = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 1,
+            "num_key_value_heads": 1}
     assert tokenizer_source(tiny) == "results/models/tokenizer"
     assert check_model_specs({"student": tiny, "teacher": tiny}) is None  # one trained tokenizer
     built = {"pretrained": "results/models/base"}

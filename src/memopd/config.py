@@ -301,6 +301,57 @@ class TokenizerConfig:
 
 
 @dataclass(frozen=True)
+class PretrainedModelConfig:
+    """models.<role> naming a pretrained LM (paper scale): a hub name or a local path."""
+
+    pretrained: str
+    tokenizer: str | None = None  # None: the model's own
+    dtype: str = "bfloat16"  # what it is loaded and stored in
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """models.<role> without `pretrained`: a tiny Qwen2 from random weights, its ids the trained tokenizer's."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "models.<role>") -> "TinyModelConfig":
+        return cls(**_required(_known(d, cls, key), cls, key))
+
+
+def model_config(d: dict, key: str = "models.<role>") -> PretrainedModelConfig | TinyModelConfig:
+    """One models.<role> section: pretrained when it names `pretrained`, else a tiny model's sizes."""
+    cls = PretrainedModelConfig if "pretrained" in d else TinyModelConfig
+    return cls(**_required(_known(d, cls, key), cls, key))
+
+
+@dataclass(frozen=True)
+class PackagedModelConfig:
+    """models.base: a pretrained LM shipped in an installed Python package (GGUF), its file's hash checked."""
+
+    package: str
+    version: str
+    module: str
+    file: str  # inside the module
+    sha256: str  # of that file
+    wheel_sha256: str | None = None  # provenance, copied into memopd_model.json
+    source: str | None = None
+    license: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "models.base") -> "PackagedModelConfig":
+        return cls(**_required(_known(d, cls, key), cls, key))
+
+
+@dataclass(frozen=True)
 class HubConfig:
     """The `hub` section (memopd.prefetch, paper scale): where the jobs find the hub repositories the config names,
     each pinned to a commit."""

@@ -11,6 +11,8 @@ from typing import Iterable
 
 import torch
 
+from memopd.config import PackagedModelConfig, PretrainedModelConfig, TinyModelConfig, model_config
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Protocol tags are single tokens so that a tiny model learns the protocol cheaply.
 PROTOCOL_TOKENS = ["<think>", "</think>", "<search>", "</search>", "<answer>", "</answer>",
@@ -21,15 +23,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pretrained_dtype(spec: dict) -> str:
-    """The dtype a pretrained model (config models.<role> with `pretrained`) is loaded and stored in."""
-    return spec.get("dtype", "bfloat16")
-TINY_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
-# a tiny model's optional architecture keys (models.<role>.tiny) when the config leaves them out
-TINY_ARCH_DEFAULTS = {"max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False}
-BASE_KEYS = ("package", "version", "module", "file", "sha256")  # what packaged_model reads of models.base
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, *, min_frequency: int):
@@ -69,23 +62,20 @@ def ordinary_token_ids(tokenizer) -> list[int]:
     return [i for i in range(len(tokenizer)) if i not in added]
 
 
-def tiny_config(arch: dict, tokenizer):
-    """A Qwen2 (the Qwen2.5 architecture) config from a small dict of sizes."""
+def tiny_config(arch: TinyModelConfig, tokenizer):
+    """A Qwen2 (the Qwen2.5 architecture) config from a tiny model's sizes."""
     from transformers import Qwen2Config
 
-    missing = [k for k in TINY_KEYS if k not in arch]
-    if missing:
-        raise ValueError(f"tiny model config lacks {missing}")
     return Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=arch["hidden_size"],
-        intermediate_size=arch["intermediate_size"],
-        num_hidden_layers=arch["num_hidden_layers"],
-        num_attention_heads=arch["num_attention_heads"],
-        num_key_value_heads=arch["num_key_value_heads"],
-        max_position_embeddings=arch.get("max_position_embeddings", TINY_ARCH_DEFAULTS["max_position_embeddings"]),
-        rope_theta=arch.get("rope_theta", TINY_ARCH_DEFAULTS["rope_theta"]),
-        tie_word_embeddings=arch.get("tie_word_embeddings", TINY_ARCH_DEFAULTS["tie_word_embeddings"]),
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        max_position_embeddings=arch.max_position_embeddings,
+        rope_theta=arch.rope_theta,
+        tie_word_embeddings=arch.tie_word_embeddings,
         use_sliding_window=False,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -94,10 +84,11 @@ def tiny_config(arch: dict, tokenizer):
 
 
 def build_tiny_model(arch: dict, tokenizer, seed: int):
+    """A tiny Qwen2 from random weights (seeded), its sizes a models.<role> section's."""
     from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(tiny_config(arch, tokenizer))
+    model = Qwen2ForCausalLM(tiny_config(TinyModelConfig.from_dict(arch), tokenizer))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
@@ -107,13 +98,13 @@ def init_model(spec: dict, out_dir: str | Path, seed: int, tokenizer_path: str |
                offline: bool = True) -> dict:
     """Create a model directory (weights + tokenizer + provenance) from a model spec:
     either {"pretrained": NAME_OR_PATH} (paper scale) or a tiny architecture dict (embedded default)."""
-    out_dir = Path(out_dir)
-    if "pretrained" in spec:
+    out_dir, m = Path(out_dir), model_config(spec, "models.<role>")
+    if isinstance(m, PretrainedModelConfig):
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(spec["pretrained"], dtype=DTYPES[pretrained_dtype(spec)],
+        model = AutoModelForCausalLM.from_pretrained(m.pretrained, dtype=DTYPES[m.dtype],
                                                      local_files_only=offline, use_safetensors=True)
-        tokenizer = load_tokenizer(spec.get("tokenizer", spec["pretrained"]), offline=offline)
+        tokenizer = load_tokenizer(m.tokenizer or m.pretrained, offline=offline)
     else:
         if tokenizer_path is None:
             raise ValueError("a tiny model needs the trained tokenizer (tokenizer_path)")
@@ -149,21 +140,23 @@ def packaged_model(spec: dict, out_dir: str | Path) -> dict:
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    b = PackagedModelConfig.from_dict(spec)
+
     try:
-        dist = importlib.metadata.distribution(spec["package"])
+        dist = importlib.metadata.distribution(b.package)
     except importlib.metadata.PackageNotFoundError:
-        raise RuntimeError(f"package {spec['package']}=={spec['version']} is not installed: run `bash envs/setup.sh` "
+        raise RuntimeError(f"package {b.package}=={b.version} is not installed: run `bash envs/setup.sh` "
                            "(it installs envs/requirements-model.txt with its hash)") from None
     version = dist.version
-    if version != spec["version"]:
-        raise RuntimeError(f"{spec['package']} {version} is installed, the config pins {spec['version']}")
+    if version != b.version:
+        raise RuntimeError(f"{b.package} {version} is installed, the config pins {b.version}")
     # located through the distribution's files: importing the module would import its own dependencies
-    path = Path(dist.locate_file(f"{spec['module']}/{spec['file']}"))
+    path = Path(dist.locate_file(f"{b.module}/{b.file}"))
     if not path.is_file():
-        raise RuntimeError(f"{spec['package']}=={version} has no {spec['module']}/{spec['file']}")
+        raise RuntimeError(f"{b.package}=={version} has no {b.module}/{b.file}")
     digest = sha256_file(path)
-    if digest != spec["sha256"]:
-        raise RuntimeError(f"{path}: sha256 {digest} != {spec['sha256']} (models.base.sha256): refusing to use it")
+    if digest != b.sha256:
+        raise RuntimeError(f"{path}: sha256 {digest} != {b.sha256} (models.base.sha256): refusing to use it")
     # transformers de-quantises GGUF to float weights but marks the model as quantised (save_pretrained
     # refuses it): copy the weights into a fresh model of the same config, which saves normally
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
@@ -177,9 +170,9 @@ def packaged_model(spec: dict, out_dir: str | Path) -> dict:
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    info = {"spec": spec, "provenance": {"package": spec["package"], "version": version, "file": spec["file"],
-                                         "file_sha256": digest, **{k: spec[k] for k in ("source", "license",
-                                                                                         "wheel_sha256") if k in spec}},
+    info = {"spec": spec, "provenance": {"package": b.package, "version": version, "file": b.file,
+                                         "file_sha256": digest, **{k: getattr(b, k) for k in ("source", "license",
+                                                                                         "wheel_sha256") if getattr(b, k) is not None}},
             "params": sum(p.numel() for p in model.parameters()), "vocab_size": model.config.vocab_size,
             "architecture": type(model).__name__, "tied_embeddings": bool(model.config.tie_word_embeddings)}
     (out_dir / "memopd_model.json").write_text(json.dumps(info, indent=2))

@@ -10,12 +10,14 @@ Checked twice:
     left to the train step;
   * by every training run that scores a teacher (`check_model_dirs`), before it loads any model.
 
-The Snakefile imports this module at parse time: only json and pathlib at module level.
+The Snakefile imports this module at parse time: only json, pathlib and memopd.config at module level.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from memopd.config import PretrainedModelConfig, model_config
 
 # Tiny models (embedded default, no `pretrained`) use the tokenizer trained by the workflow (rule tokenizer).
 TRAINED_TOKENIZER = "results/models/tokenizer"
@@ -28,9 +30,10 @@ class TokenizerMismatch(ValueError):
 def tokenizer_source(spec: dict) -> str:
     """Where a config model spec's tokenizer comes from: a pretrained model's own (or its `tokenizer`
     entry), for a tiny model the one trained here."""
-    if "pretrained" not in spec:
+    m = model_config(spec)
+    if not isinstance(m, PretrainedModelConfig):
         return TRAINED_TOKENIZER
-    return str(Path(spec.get("tokenizer", spec["pretrained"])))
+    return str(Path(m.tokenizer or m.pretrained))
 
 
 def tokenizer_file(source: str | Path) -> Path | None:

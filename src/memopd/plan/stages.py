@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from memopd.config import (RULES, RCEConfig, RCERolloutsConfig, eval_config, plan_config, retrieval_config,
-                           rollout_config, teacher_config, trained_runs)
+from memopd.config import (RULES, PretrainedModelConfig, RCEConfig, RCERolloutsConfig, eval_config, model_config,
+                           plan_config, retrieval_config, rollout_config, teacher_config, trained_runs)
 from memopd.methods import method as method_spec
 from memopd.plan.jobs import Job, _common, _fsdp, _job, _resources, _retriever, _rollouts, _scoring, _vllm
 from memopd.plan.memory import (COMPARE_CHUNK, DIVERGENCE_BYTES, STATE_BYTES, TOKEN_BYTES, _rce_terms, act_per_token,
@@ -356,13 +356,11 @@ def plan_rollouts(cfg: dict) -> list[Job]:
 
 def plan_data(cfg: dict) -> list[Job]:
     """Model downloads and the dense index (host memory and disk)."""
-    from memopd.models import pretrained_dtype
-
     jobs = []
     for role in ("student", "teacher"):
-        spec = cfg["models"][role]
-        if "pretrained" in spec and not spec["pretrained"].startswith("results/"):
-            m, b = role_spec(cfg, role), BYTES[pretrained_dtype(spec)]
+        spec = model_config(cfg["models"][role], f"models.{role}")
+        if isinstance(spec, PretrainedModelConfig) and not spec.pretrained.startswith("results/"):
+            m, b = role_spec(cfg, role), BYTES[spec.dtype]
             job = _job(cfg, "model_init", role)  # the loaded model + safetensors' serialisation buffer
             job.host["model"] = (2 * m.params * b, f"2 x P x {b} B")
             job.disk[f"{role}_init"] = (m.params * b, f"P x {b} B")
