@@ -168,6 +168,7 @@ def test_the_colocated_engine_the_planner_sizes_is_the_one_the_trainer_starts(fa
     """Without train.vllm and rollout.vllm.gpu_memory_utilization, the planned engine's share of the GPU, the one
     weight_sync.colocated_llm passes to vLLM, and ColocatedEngineConfig's default are one number."""
     from memopd.generation.weight_sync import colocated_llm
+    from memopd.plan import PlanInputs
     from memopd.plan.stages import run_config
 
     cfg = _paper((("train", "vllm"), ("rollout", "vllm", "gpu_memory_utilization"), ("train", "ppo", "rce_sample")))
@@ -179,7 +180,7 @@ def test_the_colocated_engine_the_planner_sizes_is_the_one_the_trainer_starts(fa
     assert started["max_model_len"] == cfg["rollout"]["vllm"]["max_model_len"]
     assert started["enable_sleep_mode"] is False and "vLLM asleep" not in job.phases.get("update", {})
     # the RCE guard: PPOConfig's default number of episodes is planned when the config does not say
-    assert run_config(cfg).ppo.rce_sample == PPOConfig.rce_sample > 0
+    assert run_config(PlanInputs.parse(cfg)).ppo.rce_sample == PPOConfig.rce_sample > 0
     assert any(t.startswith("RCE guard") for t in job.phases["scoring"])
 
 

@@ -133,6 +133,7 @@ def measure(kind: str, role: str = "student") -> dict:
     import torch
     from transformers import Qwen2ForCausalLM
 
+    from memopd.config import TinyModelConfig
     from memopd.models import tiny_config
     from memopd.packing import pack
     from memopd.sft.loss import target_loss
@@ -150,7 +151,7 @@ def measure(kind: str, role: str = "student") -> dict:
             return cfg["tokenizer"]["vocab_size"]
 
     def lm(r):
-        return Qwen2ForCausalLM(tiny_config(cfg["models"][r], Tok()))
+        return Qwen2ForCausalLM(tiny_config(TinyModelConfig.from_dict(cfg["models"][r]), Tok()))
 
     base = int(Path("/proc/self/statm").read_text().split()[1]) * 4096
     rng = random.Random(0)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memopd.config import JobResources, ResourcesConfig, plan_config, retrieval_config, rollout_config
+from memopd.config import JobResources
 from memopd.inputs import ConfigError
+from memopd.plan.inputs import PlanInputs
 from memopd.plan.memory import act_per_token, call_input, kv_per_token
 from memopd.plan.models import BYTES, GB, Spec, resolve
 
@@ -69,39 +70,39 @@ class Job:
         return f"{k} {v / GB:.1f} GB = {f}"
 
 
-def _resources(cfg: dict, rule: str) -> JobResources:
-    return ResourcesConfig.from_dict(cfg["resources"]).of(rule)
+def _resources(p: PlanInputs, rule: str) -> JobResources:
+    return p.resources.of(rule)
 
 
-def _job(cfg: dict, rule: str, instance: str = "", resources_of: str | None = None) -> Job:
-    r, p = _resources(cfg, resources_of or rule), plan_config(cfg)
-    job = Job(f"{rule}[{instance}]" if instance else rule, rule, r.gpu, r.mem_mb * 1e6, p.gpu_memory_gb * GB)
+def _job(p: PlanInputs, rule: str, instance: str = "", resources_of: str | None = None) -> Job:
+    r, pl = _resources(p, resources_of or rule), p.plan
+    job = Job(f"{rule}[{instance}]" if instance else rule, rule, r.gpu, r.mem_mb * 1e6, pl.gpu_memory_gb * GB)
     procs = max(job.gpus, 1)
-    job.host["processes"] = (procs * p.process_gb * GB, f"{procs} x plan.process_gb {p.process_gb}")
+    job.host["processes"] = (procs * pl.process_gb * GB, f"{procs} x plan.process_gb {pl.process_gb}")
     return job
 
 
-def _common(job: Job, cfg: dict, phase: str) -> None:
+def _common(job: Job, p: PlanInputs, phase: str) -> None:
     if job.gpus:
-        c = plan_config(cfg).cuda_context_gb
+        c = p.plan.cuda_context_gb
         job.add(phase, "CUDA context", c * GB, f"plan.cuda_context_gb {c}")
     if job.gpus > 1:  # NCCL's own buffers of the job's process group (not the tensors it moves)
-        n = plan_config(cfg).nccl_gb
+        n = p.plan.nccl_gb
         job.add(phase, "NCCL buffers", n * GB, f"plan.nccl_gb {n}")
 
 
-def _retriever(job: Job, cfg: dict, copies: int = 1, building: bool = False) -> None:
+def _retriever(job: Job, p: PlanInputs, copies: int = 1, building: bool = False) -> None:
     """The dense index (memopd.retrieval.dense); BM25 (embedded default) is not modelled. Loaded: embeddings.npy
     and passages.arrow are memory-mapped, so the float32 embeddings are page cache the job's processes share
     (counted once: a cgroup is charged for the file pages its processes touch; an exact search touches them
     all), plus per process one search block of scores (queries x search_block x 17 B: float32 scores, int64
     candidates and their merge). Building: one shard at a time (its texts and float32 embeddings, twice while
     encoding and writing, + the encoded text), whatever the corpus size."""
-    r, corpus = retrieval_config(cfg), plan_config(cfg).corpus
+    r, corpus = p.retrieval, p.plan.corpus
     if r.backend != "e5" or not corpus:
         return
     dense = r.dense
-    d = resolve(dense.model, cfg).hidden
+    d = resolve(dense.model, p).hidden
     n = corpus["passages"]
     if building:
         sh = min(dense.shard_passages, n)
@@ -115,7 +116,7 @@ def _retriever(job: Job, cfg: dict, copies: int = 1, building: bool = False) -> 
                                  f"{copies} x {queries} queries x search_block {block:,} x 17 B")
 
 
-def _vllm(job: Job, cfg: dict, phase: str, spec: Spec, util: float, max_len: int | None, tp: int = 1,
+def _vllm(job: Job, phase: str, spec: Spec, util: float, max_len: int | None, tp: int = 1,
           where: str = "rollout.vllm") -> float:
     """An engine's share of the GPU, checked against its weights and the KV cache of one sequence of max_len tokens
     (None: the model's max_position_embeddings, the length vLLM takes by default); `where` names its settings."""
@@ -131,17 +132,17 @@ def _vllm(job: Job, cfg: dict, phase: str, spec: Spec, util: float, max_len: int
     return util * g
 
 
-def _rollouts(job: Job, cfg: dict, phase: str, spec: Spec, benchmark: str, max_new: int, episodes: int,
+def _rollouts(job: Job, p: PlanInputs, phase: str, spec: Spec, benchmark: str, max_new: int, episodes: int,
               weights: bool = True, util: float | None = None) -> None:
     """The agent's generation: a vLLM engine (rollout.backend vllm; its GPU share `util`, else rollout.vllm's:
     config.EngineConfig) or the model itself (hf: its weights unless the caller holds them,
     `weights=False`, and the KV cache of the episodes generated together)."""
-    ro = rollout_config(cfg)
+    ro = p.rollout
     if ro.vllm_engine:
-        _vllm(job, cfg, phase, spec, util or ro.vllm.gpu_memory_utilization, ro.vllm.max_model_len)
+        _vllm(job, phase, spec, util or ro.vllm.gpu_memory_utilization, ro.vllm.max_model_len)
         return
     dt, n = ro.dtype, min(episodes, ro.batch_size)
-    tokens = call_input(cfg, max_new) + max_new
+    tokens = call_input(p, max_new) + max_new
     if weights:
         job.add(phase, "weights", spec.weights(dt), f"P {spec.params:,} x {BYTES[dt]} B")
     job.add(phase, "KV cache", n * tokens * kv_per_token(spec, BYTES[dt]),
@@ -156,9 +157,10 @@ def _fsdp(job: Job, phase: str, m: Spec, dtype: str, models: int = 1, what: str 
     job.add(phase, "FSDP root grads", models * m.root_params * (b + 4), f"{what}P_root x ({b} + 4) B")
 
 
-def _scoring(job: Job, cfg: dict, spec: Spec, dtype: str, tokens: int, terms: list[tuple[str, float, str]]) -> None:
+def _scoring(job: Job, p: PlanInputs, spec: Spec, dtype: str, tokens: int,
+             terms: list[tuple[str, float, str]]) -> None:
     """A no-grad scoring job: weights, one layer's activations at a time, and the comparison's `terms`."""
-    _common(job, cfg, "scoring")
+    _common(job, p, "scoring")
     job.add("scoring", "weights", spec.weights(dtype), f"P {spec.params:,} x {BYTES[dtype]} B")
     job.add("scoring", "forward (no grad)", tokens * act_per_token(spec, dtype) / spec.layers,
             f"T_pack {tokens} x one layer's activations")

@@ -113,7 +113,8 @@ system prompt + questions), observations = max_observation_tokens + plan.observa
 from __future__ import annotations
 
 from memopd import cost
-from memopd.config import AgentConfig, per_benchmark, plan_config
+from memopd.config import per_benchmark
+from memopd.plan.inputs import PlanInputs
 from memopd.plan.models import BYTES, Spec
 
 # The full-vocabulary comparisons run on chunks of COMPARE_CHUNK action positions (= memopd.rce.CHUNK; not imported:
@@ -175,26 +176,21 @@ def _rce_terms(spec: Spec, b: int, n: int, per_pack: int, why: str, c: int = COM
 
 
 # ----------------------------------------------------------------------------------------- sequence bounds
-def max_turns(agent: dict, benchmark: str) -> int:
-    """The rollout's turn budget of `benchmark` (config.AgentConfig.max_turns) under the `agent` section."""
-    return AgentConfig.from_dict(agent).max_turns(benchmark)
-
-
-def call_input(cfg: dict, max_new: int, rule: str | None = None) -> int:
+def call_input(p: PlanInputs, max_new: int, rule: str | None = None) -> int:
     """Longest input of one call: q + the rule's context (memory.build_input), capped by agent.max_input_tokens
     (a longer input ends the episode); a rule of the user's is sized as one response and one observation."""
-    a, p = AgentConfig.from_dict(cfg["agent"]), plan_config(cfg)
-    q, obs, rule = p.prompt_tokens, a.max_observation_tokens + p.observation_overhead, rule or a.rule
+    a = p.agent
+    q, obs, rule = p.plan.prompt_tokens, a.max_observation_tokens + p.plan.observation_overhead, rule or a.rule
     context = {"suffix_retention": min(a.suffix_tokens, max_new) + obs,
                "sliding_window": a.window * (max_new + obs)}.get(rule, max_new + obs)
     return min(q + context, a.max_input_tokens)
 
 
-def episode_tokens(cfg: dict, benchmark: str, max_new: int, rule: str | None = None) -> tuple[int, int]:
+def episode_tokens(p: PlanInputs, benchmark: str, max_new: int, rule: str | None = None) -> tuple[int, int]:
     """(packed tokens, sampled action tokens) of the longest episode the limits allow: q once, then every call's
     context and response."""
-    q, turns = plan_config(cfg).prompt_tokens, max_turns(cfg["agent"], benchmark)
-    return q + turns * (call_input(cfg, max_new, rule) - q + max_new), turns * max_new
+    q, turns = p.plan.prompt_tokens, p.agent.max_turns(benchmark)
+    return q + turns * (call_input(p, max_new, rule) - q + max_new), turns * max_new
 
 
 def new_tokens(value, benchmark: str, default: int) -> int:

@@ -3,10 +3,11 @@ table or a tiny model's sizes; the units (GB, bytes per dtype). The plan section
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from memopd.config import TokenizerConfig, plan_config
+from memopd.config import PretrainedModelConfig
+from memopd.plan.inputs import PlanInputs
 
 GB = 1e9
 BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "auto": 2}
@@ -85,22 +86,22 @@ def cached_config(name: str) -> dict | None:
         return None
 
 
-def resolve(name: str, cfg: dict) -> Spec:
+def resolve(name: str, p: PlanInputs) -> Spec:
     """A model by hub name or directory: its cached config.json, completed by plan.models[name] (params, or the
     stored size of a quantised model, which config.json lacks); plan.models alone when nothing is cached."""
-    table = plan_config(cfg).models.get(name)
+    table = p.plan.models.get(name)
     found = cached_config(name)
     if found is None and table is None:
         raise ValueError(f"no config.json for model {name!r} offline: add its sizes to config plan.models")
     return spec_from_config(name, {**(table or {}), **(found or {})})
 
 
-def role_spec(cfg: dict, role: str) -> Spec:
+def role_spec(p: PlanInputs, role: str) -> Spec:
     """The student or teacher (config models.<role>): pretrained by name/path, or a tiny model from its sizes."""
-    m = cfg["models"][role]
-    if "pretrained" in m:
-        return resolve(m["pretrained"], cfg)
-    return spec_from_config(role, {**m, "vocab_size": TokenizerConfig.from_dict(cfg["tokenizer"]).vocab_size})
+    m = p.models[role]
+    if isinstance(m, PretrainedModelConfig):
+        return resolve(m.pretrained, p)
+    return spec_from_config(role, {**asdict(m), "vocab_size": p.tokenizer.vocab_size})
 
 
 def model_role(name: str) -> str:

@@ -4,52 +4,52 @@ from __future__ import annotations
 
 import math
 
-from memopd.config import (RULES, PretrainedModelConfig, RCEConfig, RCERolloutsConfig, eval_config, model_config,
-                           plan_config, retrieval_config, rollout_config, teacher_config, trained_runs)
+from memopd.config import RULES, PretrainedModelConfig, trained_runs
 from memopd.methods import method as method_spec
+from memopd.plan.inputs import PlanInputs
 from memopd.plan.jobs import Job, _common, _fsdp, _job, _resources, _retriever, _rollouts, _scoring, _vllm
 from memopd.plan.memory import (COMPARE_CHUNK, DIVERGENCE_BYTES, STATE_BYTES, TOKEN_BYTES, _rce_terms, act_per_token,
-                                attention_scores, call_input, episode_tokens, max_turns, new_tokens, resolve_backend)
+                                attention_scores, call_input, episode_tokens, new_tokens, resolve_backend)
 from memopd.plan.models import BYTES, GB, Spec, model_role, resolve, role_spec
 
 
-def run_config(cfg: dict):
+def run_config(p: PlanInputs):
     """The training run's settings as the trainer reads them (train.config.RunConfig), for the first method trained:
     a method's own settings (train.per_method) that change memory are planned as the first method's."""
     from memopd.train.config import RunConfig
 
-    return RunConfig.from_section(cfg["train"], cfg["train"]["methods"][0], 0)
+    return RunConfig.from_section(p.raw["train"], p.raw["train"]["methods"][0], 0)
 
 
-def plan_train(cfg: dict) -> list[Job]:
-    t, ro, run = cfg["train"], cfg["rollout"], run_config(cfg)
-    job = _job(cfg, "train")
+def plan_train(p: PlanInputs) -> list[Job]:
+    t, ro, run = p.raw["train"], p.rollout, run_config(p)
+    job = _job(p, "train")
     w = max(job.gpus, 1)
     s = w if run.shard == "fsdp" and w > 1 else 1
     dt, ckpt = run.dtype, run.activation_checkpointing
-    pol, tea = role_spec(cfg, "student"), role_spec(cfg, "teacher")
+    pol, tea = role_spec(p, "student"), role_spec(p, "teacher")
     k = run.critic_layers or pol.layers  # critic = the policy's first k decoder layers + a scalar head
     pc = pol.params - (pol.layers - k) * pol.layer_params + pol.hidden + 1
     both = 1 + k / pol.layers  # policy + critic, in units of the policy's decoder
-    tokens, actions = episode_tokens(cfg, t["benchmark"], ro["max_new_tokens"])
-    local = math.ceil(t["batch_tasks"] / w)
+    tokens, actions = episode_tokens(p, t["benchmark"], ro.max_new_tokens)
+    local = math.ceil(run.batch_tasks / w)
     opd = any(method_spec(m).needs_teacher for m in t["methods"])
     for ph in ("rollout", "scoring", "update"):
-        _common(job, cfg, ph)
+        _common(job, p, ph)
         job.add(ph, "policy + critic (AdamW)", (pol.params + pc) * 16 / s, f"(P + P_critic) x 16 B / {s}")
         job.add(ph, "reference", pol.params * 4 / s, f"P x 4 B / {s}")
         if opd:
             job.add(ph, "teacher replica", tea.weights(dt), f"P_T {tea.params:,} x {BYTES[dt]} B")
-    engine = rollout_config(cfg)
+    engine = p.rollout
     sleeping = engine.vllm_engine and run.vllm.sleep
     if engine.vllm_engine:
         for ph in ("rollout",) if sleeping else ("rollout", "scoring", "update"):
-            _vllm(job, cfg, ph, pol, run.vllm.gpu_memory_utilization, engine.vllm.max_model_len)
+            _vllm(job, ph, pol, run.vllm.gpu_memory_utilization, engine.vllm.max_model_len)
         for ph in ("scoring", "update") if sleeping else ():  # what sleep mode does not free (CUDA graphs, its pool)
-            a = plan_config(cfg).vllm_asleep_gb
+            a = p.plan.vllm_asleep_gb
             job.add(ph, "vLLM asleep", a * GB, f"plan.vllm_asleep_gb {a}")
     else:  # hf: the policy itself generates, gathered whole when sharded
-        _rollouts(job, cfg, "rollout", pol, t["benchmark"], ro["max_new_tokens"], local, weights=False)
+        _rollouts(job, p, "rollout", pol, t["benchmark"], ro.max_new_tokens, local, weights=False)
         if s > 1:
             job.add("rollout", "gathered policy", pol.params * BYTES[dt], f"P x {BYTES[dt]} B")
     if s > 1:  # parallel.gathered(policy, ref, critic): three whole models in the FSDP param dtype while scoring
@@ -68,8 +68,8 @@ def plan_train(cfg: dict) -> list[Job]:
                     f"{local} episodes x {actions} actions x h_T x {BYTES[dt]} B")
     job.add("update", "activations (policy + critic)", both * tokens * act_per_token(pol, dt, ckpt),
             f"(1 + {k}/{pol.layers}) models x T_pack {tokens} x {'checkpointed ' if ckpt else ''}a({dt}) x L")
-    q, turns, backend = plan_config(cfg).prompt_tokens, max_turns(cfg["agent"], t["benchmark"]), run.ppo.attention
-    own = call_input(cfg, ro["max_new_tokens"]) - q + ro["max_new_tokens"]
+    q, turns, backend = p.plan.prompt_tokens, p.agent.max_turns(t["benchmark"]), run.ppo.attention
+    own = call_input(p, ro.max_new_tokens) - q + ro.max_new_tokens
     backend = resolve_backend(pol, backend, job.gpus > 0, ckpt, dt, q, turns, own)
     scores = attention_scores(pol, backend, job.gpus > 0, 4, tokens, q, turns, own)
     if scores:
@@ -79,7 +79,7 @@ def plan_train(cfg: dict) -> list[Job]:
         job.add("update", "autocast casts", 2 * 2 * pol.layers * pol.layer_params, "2 models x 2 B x L x P_layer")
     if s > 1:
         _fsdp(job, "update", pol, dt, 2, "2 models x ")
-    c = t["ppo"]["chunk_size"]
+    c = run.ppo.chunk_size
     job.add("update", "loss chunk", (2 if opd else 1) * c * pol.vocab * 16, f"{2 if opd else 1} x {c} x V x 16 B")
     if job.gpus > 1:  # a sharded checkpoint: every rank copies what it holds (its shards, or a replica) to host memory
         job.host["checkpoint staging"] = (w * (pol.params + pc) * 12 / s,
@@ -89,9 +89,9 @@ def plan_train(cfg: dict) -> list[Job]:
     if sleeping:  # level 2: the weights are dropped, not copied to host memory (the sync rewrites them)
         _train_wake(job, pol)
     if job.gpus:
-        _train_load(job, cfg, pol, s)
+        _train_load(job, p, pol, s)
         _train_resume(job, pol.params, pc, w, s, pol.vocab * pol.hidden * 4)
-    _retriever(job, cfg, copies=w)
+    _retriever(job, p, copies=w)
     runs = len(trained_runs(t))
     job.disk["exports"] = (runs * pol.params * BYTES[dt], f"{runs} runs x P x {BYTES[dt]} B")
     if not run.keep_checkpoint:
@@ -101,14 +101,14 @@ def plan_train(cfg: dict) -> list[Job]:
     return [job]
 
 
-def _train_load(job: Job, cfg: dict, pol: Spec, s: int) -> None:
+def _train_load(job: Job, p: PlanInputs, pol: Spec, s: int) -> None:
     """While the models are built (train/loop.build_models): the vLLM engine is created first and takes its share,
     then the fp32 policy whole, the reference sharded as soon as it is copied, and the critic's copy whole until
     it is sharded (ValueModel keeps its first layers only after the deep copy). The teacher loads after every
     model is sharded: the steady phases hold it."""
-    _common(job, cfg, "load")
-    if rollout_config(cfg).vllm_engine:
-        util = run_config(cfg).vllm.gpu_memory_utilization
+    _common(job, p, "load")
+    if p.rollout.vllm_engine:
+        util = run_config(p).vllm.gpu_memory_utilization
         job.add("load", "vLLM engine", util * job.gpu_limit, f"gpu_memory_utilization {util} x {job.gpu_limit / GB:.0f} GB")
     job.add("load", "policy (fp32, whole)", pol.params * 4, f"P {pol.params:,} x 4 B (load_model)")
     _host_load(job, pol)
@@ -154,16 +154,16 @@ def _train_resume(job: Job, p: int, pc: int, w: int, s: int, largest: float) -> 
     job.add_host("resume", "tensor being read", w * 2 * largest / s, f"{w} ranks x 2 x V x h x 4 B / {s}")
 
 
-def _sft_job(cfg: dict, stage: str, role: str) -> Job:
+def _sft_job(p: PlanInputs, stage: str, role: str) -> Job:
     from memopd.sft.trainer import TrainConfig, stage_section
 
     rule = f"sft_{'train' if stage == 'sft' else stage}"
-    sft = TrainConfig.from_section(stage_section(cfg["sft"], stage), role)  # as the stage's trainer reads it
-    job = _job(cfg, rule, role)
-    m, w, seq_len = role_spec(cfg, role), max(job.gpus, 1), sft.seq_len
+    sft = TrainConfig.from_section(stage_section(p.raw["sft"], stage), role)  # as the stage's trainer reads it
+    job = _job(p, rule, role)
+    m, w, seq_len = role_spec(p, role), max(job.gpus, 1), sft.seq_len
     s = w if sft.shard == "fsdp" and w > 1 else 1
     dt, ckpt = sft.dtype, sft.activation_checkpointing
-    _common(job, cfg, "step")
+    _common(job, p, "step")
     job.add("step", "model (AdamW)", m.params * 16 / s, f"P {m.params:,} x 16 B / {s}")
     if w > 1 and s == 1:
         job.add("step", "DDP buckets", m.params * 4, "P x 4 B")
@@ -179,7 +179,7 @@ def _sft_job(cfg: dict, stage: str, role: str) -> Job:
             job.add("step", "attention scores", (1 if ckpt else m.layers) * scores, "L x heads x seq_len^2 x 4 B")
     job.add("step", "loss chunk", 2048 * m.vocab * 16, "2048 x V x 16 B (sft/loss.py _CHUNK)")
     if job.gpus and s > 1:  # sft/commands: every rank loads the fp32 model whole, then shards it (sft/trainer)
-        _common(job, cfg, "load")
+        _common(job, p, "load")
         job.add("load", "model (fp32, whole)", m.params * 4, "P x 4 B, before fully_shard")
         _host_load(job, m)
     if job.gpus:  # copied off the GPU to be written
@@ -191,97 +191,97 @@ def _sft_job(cfg: dict, stage: str, role: str) -> Job:
     return job
 
 
-def plan_sft(cfg: dict) -> list[Job]:
+def plan_sft(p: PlanInputs) -> list[Job]:
     from memopd.sft.trainer import pretrain_steps
 
-    sft, jobs = cfg["sft"], []
+    sft, jobs = p.raw["sft"], []
     for role in ("student", "teacher"):
-        jobs.append(_sft_job(cfg, "sft", role))
+        jobs.append(_sft_job(p, "sft", role))
         if pretrain_steps(sft, role):
-            jobs.append(_sft_job(cfg, "pretrain", role))
-    m = role_spec(cfg, "teacher")  # sft_eval: fp32 forward of the largest model, no grad
-    job = _job(cfg, "sft_eval", "teacher_sft")
+            jobs.append(_sft_job(p, "pretrain", role))
+    m = role_spec(p, "teacher")  # sft_eval: fp32 forward of the largest model, no grad
+    job = _job(p, "sft_eval", "teacher_sft")
     jobs.append(job)
-    _common(job, cfg, "forward")
+    _common(job, p, "forward")
     job.add("forward", "weights", m.weights("float32"), "P x 4 B")
     job.add("forward", "forward (no grad)", sft["seq_len"] * act_per_token(m, "float32") / m.layers,
             f"seq_len {sft['seq_len']} x one layer's activations")
     job.add("forward", "loss chunk", 2048 * m.vocab * 16, "2048 x V x 16 B")
-    m = role_spec(cfg, "student")  # bench_sft: a fp32 AdamW copy per path (sft/bench.py PATHS) of student_init
-    job = _job(cfg, "bench_sft")
+    m = role_spec(p, "student")  # bench_sft: a fp32 AdamW copy per path (sft/bench.py PATHS) of student_init
+    job = _job(p, "bench_sft")
     job.note = ("a benchmark outside `all`: the student and three AdamW copies of it on one GPU; run it with "
                 "config/small.yaml's model, or leave it out with --rules")
-    _common(job, cfg, "step")
+    _common(job, p, "step")
     job.add("step", "model + 3 path copies (AdamW)", m.params * 4 + 3 * m.params * 16, "P x 4 B + 3 x P x 16 B")
     job.add("step", "activations", sft["seq_len"] * act_per_token(m, "float32"), f"seq_len {sft['seq_len']} x a(fp32) x L")
     job.add("step", "loss chunk", 2048 * m.vocab * 16, "2048 x V x 16 B")
     return jobs + [job]
 
 
-def plan_scoring(cfg: dict) -> list[Job]:
+def plan_scoring(p: PlanInputs) -> list[Job]:
     """RCE smoke, RCE of rollouts and the alignment audits (no grad, full-vocabulary comparisons)."""
-    jobs, ro = [], cfg["rollout"]
-    rc = RCEConfig.from_dict(cfg["rce"])
-    st = role_spec(cfg, "student")
+    jobs, ro = [], p.rollout
+    rc = p.rce
+    st = role_spec(p, "student")
     b = BYTES[rc.dtype]
     calls, resp = rc.calls, max(rc.response_tokens)
     tokens = rc.prefix_tokens + calls * (max(rc.observation_tokens) + 2 * resp)  # a retained copy per call
-    job = _job(cfg, "rce_smoke")
-    _scoring(job, cfg, st, rc.dtype, tokens, _rce_terms(st, b, rc.episodes * calls * resp, calls * resp,
+    job = _job(p, "rce_smoke")
+    _scoring(job, p, st, rc.dtype, tokens, _rce_terms(st, b, rc.episodes * calls * resp, calls * resp,
                                                         f"{rc.episodes} episodes x {calls} calls x {resp}"))
     jobs.append(job)
-    rr = RCERolloutsConfig.from_dict(cfg["rce_rollouts"])  # rollouts (the engine stays up), then each rule's RCE
-    audit = cfg["audit"]
-    am = role_spec(cfg, model_role(audit["model"]))
-    max_new = new_tokens(rr.max_new_tokens, rr.benchmark, ro["max_new_tokens"])
-    tokens, actions = max(episode_tokens(cfg, rr.benchmark, max_new, r) for r in rr.rules)
-    job = _job(cfg, "rce_rollouts")
-    _rollouts(job, cfg, "scoring", am, rr.benchmark, max_new, rr.tasks, util=rr.gpu_memory_utilization)
+    rr = p.rce_rollouts  # rollouts (the engine stays up), then each rule's RCE
+    audit, sc = p.audit, p.audit_scoring
+    am = role_spec(p, model_role(audit.model))
+    max_new = new_tokens(rr.max_new_tokens, rr.benchmark, ro.max_new_tokens)
+    tokens, actions = max(episode_tokens(p, rr.benchmark, max_new, r) for r in rr.rules)
+    job = _job(p, "rce_rollouts")
+    _rollouts(job, p, "scoring", am, rr.benchmark, max_new, rr.tasks, util=rr.gpu_memory_utilization)
     b, n = BYTES[rr.dtype], rr.tasks * actions
     terms = _rce_terms(am, b, n, actions, f"{rr.tasks} tasks x {actions} action tokens")
     # evaluation.evaluate.behaviour_mismatch: rce.independent_token_logprobs, the LM head COMPARE_CHUNK tokens at a time
     c = min(COMPARE_CHUNK, n)
     terms.append(("behaviour chunk", c * am.vocab * (b + 8), f"evaluate.behaviour_mismatch: C {c} x V x ({b} + 4 + 4) B"))
-    _scoring(job, cfg, am, rr.dtype, tokens, terms)
-    _retriever(job, cfg)
+    _scoring(job, p, am, rr.dtype, tokens, terms)
+    _retriever(job, p)
     jobs.append(job)
-    dt, bench = audit["dtype"], audit["benchmark"]
+    dt, bench = sc.dtype, audit.benchmark
     b = BYTES[dt]
-    max_new = new_tokens(audit.get("max_new_tokens"), bench, ro["max_new_tokens"])
-    tokens, actions = episode_tokens(cfg, bench, max_new, audit.get("rule"))
-    for rule, n in (("audit_episodes", audit["episodes"]), ("audit_rule_episodes", audit["rule_episodes"])):
-        job = _job(cfg, rule, resources_of="audit_episodes")  # `use rule audit_episodes as audit_rule_episodes`
-        _common(job, cfg, "rollout")
-        _rollouts(job, cfg, "rollout", am, bench, max_new, n)
-        _retriever(job, cfg)
+    max_new = new_tokens(audit.max_new_tokens, bench, ro.max_new_tokens)
+    tokens, actions = episode_tokens(p, bench, max_new, audit.rule)
+    for rule, n in (("audit_episodes", audit.episodes), ("audit_rule_episodes", audit.rule_episodes)):
+        job = _job(p, rule, resources_of="audit_episodes")  # `use rule audit_episodes as audit_rule_episodes`
+        _common(job, p, "rollout")
+        _rollouts(job, p, "rollout", am, bench, max_new, n)
+        _retriever(job, p)
         jobs.append(job)
-    n = min(8, audit["episodes"]) * actions  # audit.alignment.state_rows: 8 episodes at a time
+    n = min(8, audit.episodes) * actions  # audit.alignment.state_rows: 8 episodes at a time
     c = min(COMPARE_CHUNK, n)
     for rule in ("audit_alignment", "audit_state_corruption"):
-        job = _job(cfg, rule)
-        _scoring(job, cfg, am, dt, tokens, [
+        job = _job(p, rule)
+        _scoring(job, p, am, dt, tokens, [
             ("state chunk", c * am.vocab * (b + STATE_BYTES), f"C {c} x V x ({b} + {STATE_BYTES}) B"),
             ("compared hidden", 2 * n * am.hidden * b,
-             f"reference + state: 2 x {min(8, audit['episodes'])} episodes x {actions} action tokens x h x {b} B"),
+             f"reference + state: 2 x {min(8, audit.episodes)} episodes x {actions} action tokens x h x {b} B"),
             ("per-token values", n * TOKEN_BYTES, f"N {n:,} x {TOKEN_BYTES} B")])
         jobs.append(job)
-    job = _job(cfg, "audit_teacher_divergence")  # one episode at a time, exact and flattened teacher logits
-    te, c = role_spec(cfg, model_role(audit["teacher"])), min(COMPARE_CHUNK, actions)
-    _scoring(job, cfg, te, dt, tokens, [
+    job = _job(p, "audit_teacher_divergence")  # one episode at a time, exact and flattened teacher logits
+    te, c = role_spec(p, model_role(p.audit_teacher)), min(COMPARE_CHUNK, actions)
+    _scoring(job, p, te, dt, tokens, [
         ("teacher chunk", c * te.vocab * (b + DIVERGENCE_BYTES), f"C {c} x V x ({b} + {DIVERGENCE_BYTES}) B"),
         ("compared hidden", 2 * actions * te.hidden * b, f"exact + flattened: 2 x {actions} action tokens x h_T x {b} B"),
         ("per-token values", actions * TOKEN_BYTES, f"N {actions:,} x {TOKEN_BYTES} B")])
     jobs.append(job)
-    tokens, actions = max(episode_tokens(cfg, bench, max_new, r) for r in RULES)
-    job = _job(cfg, "audit_context_updates")
-    _scoring(job, cfg, am, dt, tokens, _rce_terms(am, b, audit["rule_episodes"] * actions, actions,
-                                                  f"{audit['rule_episodes']} episodes x {actions} action tokens"))
+    tokens, actions = max(episode_tokens(p, bench, max_new, r) for r in RULES)
+    job = _job(p, "audit_context_updates")
+    _scoring(job, p, am, dt, tokens, _rce_terms(am, b, audit.rule_episodes * actions, actions,
+                                                f"{audit.rule_episodes} episodes x {actions} action tokens"))
     jobs.append(job)
-    jobs.append(_packing_job(cfg, am))
+    jobs.append(_packing_job(p, am))
     return jobs
 
 
-def _packing_job(cfg: dict, am: Spec) -> Job:
+def _packing_job(p: PlanInputs, am: Spec) -> Job:
     """audit_packing_efficiency on the real audit episodes (audit.packing.real: `episodes` episodes cut to T calls,
     T up to the largest of `calls`, null = agent turns), the audit model in fp32; the synthetic sweep's tiny model
     is negligible. Scoring (no grad, all episodes at once): every path's hidden states at the sampled tokens, log-probs
@@ -291,30 +291,30 @@ def _packing_job(cfg: dict, am: Spec) -> Job:
     `calls` runs each call over q + its own tokens, the other packed paths hold T_pack tokens. With
     audit.packing.activation_checkpointing each layer keeps its input and one layer's activations and scores exist
     at a time; prefix_shared then runs forward only."""
-    audit, ro, pk = cfg["audit"], cfg["rollout"], cfg["audit"]["packing"]
-    bench, rule, gpu = audit["benchmark"], audit.get("rule"), _resources(cfg, "audit_packing_efficiency").gpu > 0
-    max_new = new_tokens(audit.get("max_new_tokens"), bench, ro["max_new_tokens"])
-    turns, q = max_turns(cfg["agent"], bench), plan_config(cfg).prompt_tokens
-    T = min(turns, max(c or turns for c in pk["real"]["calls"]))
-    L = call_input(cfg, max_new, rule) + max_new  # one call: its input and response
+    audit, ro, pk = p.audit, p.rollout, p.packing
+    bench, rule, gpu = audit.benchmark, audit.rule, _resources(p, "audit_packing_efficiency").gpu > 0
+    max_new = new_tokens(audit.max_new_tokens, bench, ro.max_new_tokens)
+    turns, q = p.agent.max_turns(bench), p.plan.prompt_tokens
+    T = min(turns, max(c or turns for c in pk.real["calls"]))
+    L = call_input(p, max_new, rule) + max_new  # one call: its input and response
     own, dt = L - q, "float32"
     tokens, actions = q + T * own, T * max_new
-    real, b = pk["real"]["episodes"], BYTES[dt]
+    real, b = pk.real["episodes"], BYTES[dt]
     n, c = real * actions, min(COMPARE_CHUNK, real * actions)
-    job = _job(cfg, "audit_packing_efficiency")
-    _scoring(job, cfg, am, dt, tokens, [
+    job = _job(p, "audit_packing_efficiency")
+    _scoring(job, p, am, dt, tokens, [
         ("logits chunk", c * am.vocab * (4 * b + 8),
          f"RCE error: C {c} x V x (2 x {b} logits + 2 x 4 log-softmax + 2 x {b} difference) B"),
         ("compared hidden", 2 * n * am.hidden * b, f"reference + path: 2 x {real} episodes x {actions} x h x {b} B")])
     ph = "timed forward+backward"
-    _common(job, cfg, ph)
+    _common(job, p, ph)
     job.add(ph, "weights + gradients", 2 * am.weights(dt), f"2 x P {am.params:,} x {b} B")
-    ckpt = bool(pk.get("activation_checkpointing"))  # as audit.steps reads it
+    ckpt = pk.activation_checkpointing
     untimed = {"eager", "flex"} | ({"prefix_shared"} if ckpt else set())  # packing_bench.measure: RCE or forward only
     paths = [("independent_batched", T * L, attention_scores(am, "calls", gpu, 4, T * L, 0, T, L),
               f"{T} calls x L {L} (padded)")]
     for name in dict.fromkeys(resolve_backend(am, x, gpu, ckpt, dt, q, T, own)
-                              for x in (pk.get("backends") or audit["backends"])):
+                              for x in (pk.backends or p.audit_scoring.backends)):
         if name not in untimed:
             paths.append((f"packed_{name}", T * L if name == "calls" else tokens,
                           attention_scores(am, name, gpu, 4, tokens, q, T, own),
@@ -330,57 +330,57 @@ def _packing_job(cfg: dict, am: Spec) -> Job:
     return job
 
 
-def plan_rollouts(cfg: dict) -> list[Job]:
+def plan_rollouts(p: PlanInputs) -> list[Job]:
     """Evaluation of the largest evaluated model, and the LLM teacher's trajectories."""
-    ev, t, ro = eval_config(cfg), cfg["train"], cfg["rollout"]
+    ev, t, ro = p.eval, p.raw["train"], p.rollout
     names = list(ev.models) + [f"{m}_seed{s}" for m, s in trained_runs(t)]
-    role = max(sorted({model_role(n) for n in names}), key=lambda r: role_spec(cfg, r).params)
-    m = role_spec(cfg, role)
-    job = _job(cfg, "eval", role)
-    _common(job, cfg, "rollout")
-    bench = max(ev.benchmarks, key=lambda b: new_tokens(ev.max_new_tokens, b, ro["max_new_tokens"]))
-    _rollouts(job, cfg, "rollout", m, bench, new_tokens(ev.max_new_tokens, bench, ro["max_new_tokens"]),
-              ro["batch_size"])
-    _retriever(job, cfg)
+    role = max(sorted({model_role(n) for n in names}), key=lambda r: role_spec(p, r).params)
+    m = role_spec(p, role)
+    job = _job(p, "eval", role)
+    _common(job, p, "rollout")
+    bench = max(ev.benchmarks, key=lambda b: new_tokens(ev.max_new_tokens, b, ro.max_new_tokens))
+    _rollouts(job, p, "rollout", m, bench, new_tokens(ev.max_new_tokens, bench, ro.max_new_tokens),
+              ro.batch_size)
+    _retriever(job, p)
     jobs = [job]
-    te = teacher_config(cfg)
-    job = _job(cfg, "sft_trajectories")
+    te = p.teacher
+    job = _job(p, "sft_trajectories")
     if (sv := te.server) is not None:  # the vLLM server this job starts, at the settings it starts with
-        _common(job, cfg, "serving")
-        _vllm(job, cfg, "serving", resolve(te.llm["model"], cfg), sv.gpu_memory_utilization, sv.max_model_len,
+        _common(job, p, "serving")
+        _vllm(job, "serving", resolve(te.llm["model"], p), sv.gpu_memory_utilization, sv.max_model_len,
               sv.tensor_parallel_size, where="teacher.llm.server")
-        job.host["vLLM server process"] = (plan_config(cfg).process_gb * GB, "plan.process_gb")
-    _retriever(job, cfg)
+        job.host["vLLM server process"] = (p.plan.process_gb * GB, "plan.process_gb")
+    _retriever(job, p)
     return jobs + [job]
 
 
-def plan_data(cfg: dict) -> list[Job]:
+def plan_data(p: PlanInputs) -> list[Job]:
     """Model downloads and the dense index (host memory and disk)."""
     jobs = []
     for role in ("student", "teacher"):
-        spec = model_config(cfg["models"][role], f"models.{role}")
+        spec = p.models[role]
         if isinstance(spec, PretrainedModelConfig) and not spec.pretrained.startswith("results/"):
-            m, b = role_spec(cfg, role), BYTES[spec.dtype]
-            job = _job(cfg, "model_init", role)  # the loaded model + safetensors' serialisation buffer
+            m, b = role_spec(p, role), BYTES[spec.dtype]
+            job = _job(p, "model_init", role)  # the loaded model + safetensors' serialisation buffer
             job.host["model"] = (2 * m.params * b, f"2 x P x {b} B")
             job.disk[f"{role}_init"] = (m.params * b, f"P x {b} B")
             jobs.append(job)
-    r, corpus = retrieval_config(cfg), plan_config(cfg).corpus
+    r, corpus = p.retrieval, p.plan.corpus
     if r.backend == "e5" and corpus:
-        e5, d = resolve(r.dense.model, cfg), r.dense
-        job = _job(cfg, "retrieval_index")
-        _common(job, cfg, "encode")
+        e5, d = resolve(r.dense.model, p), r.dense
+        job = _job(p, "retrieval_index")
+        _common(job, p, "encode")
         job.add("encode", "weights", e5.weights("float16"), "P x 2 B")
         bt, lt = d.batch_size, d.max_length
         job.add("encode", "batch", bt * lt * (4 * e5.hidden + 2 * (e5.intermediate + 4 * e5.hidden) + 2 * e5.heads * lt),
                 f"{bt} x {lt} tokens x (fp32 output 4h + one layer 2(i + 4h) + scores 2 heads x {lt}) B")
-        _retriever(job, cfg, building=True)
+        _retriever(job, p, building=True)
         emb = corpus["passages"] * e5.hidden * 4
         job.disk["index"] = (emb + corpus["text_gb"] * GB, f"{corpus['passages']:,} x {e5.hidden} x 4 B + passages")
         job.disk["corpus (download + parquet)"] = (2 * corpus["text_gb"] * GB, "2 x text_gb")
         jobs.append(job)
-        job = _job(cfg, "retrieval_recall")
-        _retriever(job, cfg)
+        job = _job(p, "retrieval_recall")
+        _retriever(job, p)
         jobs.append(job)
     return jobs
 
@@ -389,6 +389,7 @@ PLANNERS = (plan_data, plan_rollouts, plan_sft, plan_scoring, plan_train)
 
 
 def plan(cfg: dict, rules=None) -> list[Job]:
-    """Every modelled job of `cfg` (only those of `rules` when given)."""
-    jobs = [j for f in PLANNERS for j in f(cfg)]
+    """Every modelled job of `cfg` (only those of `rules` when given), each section of it parsed once."""
+    p = PlanInputs.parse(cfg)
+    jobs = [j for f in PLANNERS for j in f(p)]
     return [j for j in jobs if rules is None or j.rule in rules]
