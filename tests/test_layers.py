@@ -7,24 +7,26 @@ lowest first:
 
   0 atomic files   atomic (a file or directory written beside its target and renamed onto it, whole or not at
                    all; the standard library only: every floor writes through it)
-  1 foundations    records, cost, losses, metrics, models, methods, inputs, codegraph, stats, dist, checkpoint,
+  1 foundations    records, cost, losses, metrics, methods, inputs, codegraph, stats, dist, checkpoint,
                    progress, outputs (JSON, tables and figures as every step writes them), spool (a run's tracking
                    records on disk and their sender) and the package's own __init__ (no memopd import at all)
-  2 layout, config packing, vocab, prefetch, config (the typed config sections: on inputs' errors), schema (the
-                   workflow's config schema outside Snakemake), tracking (MLflow runs, through the spool), ledger
-                   (the exact call ledger: a rollout's calls in a portable file)
-  3 exact forward  attention
-  4 on the forward rce, parallel
-  5 run harness    harness (identity, resume, checkpoints, the step loop and export of every trainer)
-  6 data           data
-  7 corpora        retrieval, synthetic
-  8 agent          agent (protocol, memory rules, the rollout loop)
-  9 generation     generation (the engines the agent samples with, the training engine's weight sync)
- 10 teachers, evaluation  teachers (scripted, LLM, the trajectory step), evaluation
- 11 trainers       sft, train
- 12 audits, plans  audit, plan
- 13 reports        report (the tables and figures over runs, audits and plans)
- 14 study rules    study (the controlled study's decision rules, over evaluations and their reports)
+  2 config         config (the typed config sections, each default declared once; no torch)
+  3 models         models (the tokenizer, tiny and pretrained models, built from their typed sections)
+  4 layout         packing, vocab, schema (the workflow's config schema outside Snakemake), tracking (MLflow
+                   runs, through the spool), ledger (the exact call ledger: a rollout's calls in a portable file)
+  5 hub            prefetch
+  6 exact forward  attention
+  7 on the forward rce, parallel
+  8 run harness    harness (identity, resume, checkpoints, the step loop and export of every trainer)
+  9 data           data
+ 10 corpora        retrieval, synthetic
+ 11 agent          agent (protocol, memory rules, the rollout loop)
+ 12 generation     generation (the engines the agent samples with, the training engine's weight sync)
+ 13 teachers, evaluation  teachers (scripted, LLM, the trajectory step), evaluation
+ 14 trainers       sft, train
+ 15 audits, plans  audit, plan
+ 16 reports        report (the tables and figures over runs, audits and plans)
+ 17 study rules    study (the controlled study's decision rules, over evaluations and their reports)
   top              cli, __main__ and every module named `commands` (memopd.commands, sft.commands, ...): they
                    may import anything, and nothing below the top may import them
 
@@ -44,9 +46,11 @@ PACKAGE = "memopd"
 
 FLOORS = [
     ("atomic files", {"atomic"}),
-    ("foundations", {"memopd", "records", "cost", "losses", "metrics", "models", "methods", "inputs", "codegraph",
+    ("foundations", {"memopd", "records", "cost", "losses", "metrics", "methods", "inputs", "codegraph",
                      "stats", "dist", "checkpoint", "progress", "outputs", "spool"}),
-    ("layout, config", {"packing", "vocab", "config", "schema", "tracking", "ledger"}),
+    ("config", {"config"}),
+    ("models", {"models"}),
+    ("layout", {"packing", "vocab", "schema", "tracking", "ledger"}),
     ("hub", {"prefetch"}),
     ("exact forward", {"attention"}),
     ("on the forward", {"rce", "parallel"}),
