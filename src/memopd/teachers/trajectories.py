@@ -22,7 +22,7 @@ from memopd.agent.rollout import rollout
 from memopd.harness import digest, run_identity
 from memopd.teachers.shards import (Chunks, chunk_bounds, code_digest, concat_episode_files, episode_rows, shard_bounds)
 from memopd.teachers.scripted import ScriptedConfig, ScriptedTeacher, memory_claims
-from memopd.config import AgentConfig, TeacherConfig, teacher_config
+from memopd.config import AgentConfig, RolloutConfig, TeacherConfig, rollout_config, teacher_config
 from memopd.records import Episode, save_episodes
 
 def _metrics(x) -> dict:
@@ -107,7 +107,7 @@ def trajectories_step(cfg: dict, benchmarks: list[str], index: str, tokenizer_di
     from memopd.models import load_tokenizer
     from memopd.retrieval import load_retriever
 
-    tc = teacher_config(cfg)
+    tc, ro = teacher_config(cfg), rollout_config(cfg)
     kind = tc.kind
     seed = seed if tc.seed is None else int(tc.seed)
     limit = limit or tc.max_tasks
@@ -116,7 +116,7 @@ def trajectories_step(cfg: dict, benchmarks: list[str], index: str, tokenizer_di
     shards = tc.shards
     lo, hi = (0, len(tasks)) if shard is None else shard_bounds(len(tasks), shards, shard)
     bounds = chunk_bounds(lo, hi, tc.chunk_tasks)
-    agent = AgentConfig.from_dict(cfg["agent"], batch_size=tc.batch_size or cfg["rollout"]["batch_size"],
+    agent = AgentConfig.from_dict(cfg["agent"], batch_size=tc.batch_size or ro.batch_size,
                                   reward=tc.reward)
     key = digest(run_identity(cfg, seed, {"index": index, "tokenizer": tokenizer_dir}, limit=limit, chunks=bounds,
                               code=code_digest(), tasks=[(t.task_id, t.questions, t.answers, t.benchmark)
@@ -128,7 +128,7 @@ def trajectories_step(cfg: dict, benchmarks: list[str], index: str, tokenizer_di
     retriever = load_retriever(index) if todo else None
     t0 = time.perf_counter()
     log = server_log or str(Path(stats_out).with_name("vllm_server.log"))
-    with _teacher(kind, tc, cfg["rollout"], tok, tasks, seed, log, start=bool(todo)) as (teacher, extra):
+    with _teacher(kind, tc, ro, tok, tasks, seed, log, start=bool(todo)) as (teacher, extra):
         startup = time.perf_counter() - t0
         for j in todo:
             a, b = bounds[j]
@@ -212,7 +212,7 @@ def combine(dicts: list[dict]) -> dict:
 
 
 @contextmanager
-def _teacher(kind: str, tc: TeacherConfig, rollout_cfg: dict, tok, tasks, seed: int, server_log: str,
+def _teacher(kind: str, tc: TeacherConfig, ro: RolloutConfig, tok, tasks, seed: int, server_log: str,
              start: bool = True):
     """(backend, stats of the teacher) for the step's chunks; the LLM teacher's server runs meanwhile.
     Nothing starts when every chunk is already written (`start` false)."""
@@ -221,7 +221,7 @@ def _teacher(kind: str, tc: TeacherConfig, rollout_cfg: dict, tok, tasks, seed: 
     elif kind == "scripted":
         sc = dict(tc.scripted)
         if sc.get("max_new_tokens") is None:  # the student's generation budget: it must be able to say it
-            sc["max_new_tokens"] = rollout_cfg["max_new_tokens"]
+            sc["max_new_tokens"] = ro.max_new_tokens
         yield ScriptedTeacher(tok, tasks, ScriptedConfig(**sc)), {}  # all tasks: a shard finds its own as in one run
     else:
         from memopd.teachers.llm import LLMConfig, LLMTeacher, VLLMServer, server_kwargs
