@@ -19,7 +19,7 @@ def cmd_tokenizer(args, cfg):
 
     tc = TokenizerConfig.from_dict(cfg)
     existing(args.data_dir)
-    texts = corpus_texts(args.data_dir, None if tc.files is None else list(tc.files))
+    texts = corpus_texts(args.data_dir, tc.files)
     if tc.prompts:
         from memopd.agent.protocol import protocol_texts
 

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from memopd.data.loaders import (QA, DataConfigError, DataFormatError, MissingDataError, Passage,
                                  iter_passages, load_qa, resolve)
@@ -21,7 +21,7 @@ _NQ_ORACLE = "nq/nq-open-oracle.jsonl.gz"
 _HOTPOT_GLOB = "hotpotqa/distractor_dev_sample_*.jsonl"
 
 
-def corpus_texts(data_dir: str | Path, files: list[dict] | None = None) -> Iterator[str]:
+def corpus_texts(data_dir: str | Path, files: Sequence[dict] | None = None) -> Iterator[str]:
     """Every piece of text in the committed samples (passages, questions, answers): tokenizer corpus.
     `files` ({format, path} under data_dir, config `tokenizer.files`) replaces the committed samples."""
     d = Path(data_dir)
@@ -44,7 +44,7 @@ def corpus_texts(data_dir: str | Path, files: list[dict] | None = None) -> Itera
                 yield title + "\n" + text
 
 
-def _listed_texts(d: Path, files: list[dict]) -> Iterator[str]:
+def _listed_texts(d: Path, files: Sequence[dict]) -> Iterator[str]:
     for i, f in enumerate(files):
         key = f"tokenizer.files[{i}]"
         path = resolve(f["path"], d, f"{key}.path")
