@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from memopd.cli import main
+from memopd.config import TrainRuns
 from memopd.report.archive import MANIFEST, contents, read_archive
 
 # The second edition's form: the two controls on fewer seeds than ppo and memopd (train.per_method), the matched
@@ -28,7 +29,7 @@ LEVEL = {"ppo": 0.10, "memopd": 0.14, "memopd_persistent": 0.05, "memopd_self": 
 def _results(root, train=TRAIN):
     """Evaluations (scores, per-task CSV) and training metrics of every run, made of seeded noise per model."""
     rng = random.Random(1)
-    evals, runs = contents(train)
+    evals, runs = contents(TrainRuns.from_section(train))
     for model, bench in evals:
         d = root / "eval" / model
         d.mkdir(parents=True, exist_ok=True)

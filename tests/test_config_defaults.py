@@ -16,7 +16,7 @@ from memopd.config import (AgentConfig, AuditRollout, AuditScoring, BenchmarksCo
                            PackagedModelConfig, PackingAudit, PlanConfig, PretrainedModelConfig, QASourceConfig,
                            QnConfig, QnSetConfig, RCEConfig, RCERolloutsConfig, RecallConfig, RetrievalConfig,
                            RolloutConfig, RULES, StudyConfig, TeacherConfig, TeacherServerConfig, TinyModelConfig,
-                           TokenizerConfig, WikiRagConfig, model_config, rollout_config)
+                           TokenizerConfig, TrainRuns, WikiRagConfig, model_config, rollout_config)
 from memopd.sft.trainer import TrainConfig
 from memopd.train.config import PPO_FIELD_OF_KEY, RunConfig
 from memopd.train.update import PPOConfig
@@ -385,6 +385,42 @@ def test_the_audit_section_is_its_typed_parts():
     rollout = AuditRollout.from_dict({"model": "m", "benchmark": "b", "episodes": 4, "rule_episodes": 2,
                                       "temperature": 0.0})
     assert rollout.sampling() == {"temperature": 0.0}
+
+
+def test_the_train_section_is_its_runs_and_a_runs_settings():
+    """train's keys are TrainRuns' (which runs: models, methods, seeds, horizons, the matched control) and RunConfig's
+    (how one run trains; dtype its PPOConfig's); the matched control's default benchmark is the schema's; each method
+    runs on its own seeds; a missing or misspelt key is a ConfigError naming its place."""
+    import yaml
+
+    from memopd.config import MatchedControlConfig
+    from memopd.inputs import ConfigError
+
+    props = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())["properties"]["train"]
+    names = {f.name for c in (TrainRuns, RunConfig) for f in dataclasses.fields(c)} | {"dtype"}
+    assert set(props["properties"]) == names
+    mc = props["properties"]["matched_control"]["properties"]
+    assert set(mc) == {f.name for f in dataclasses.fields(MatchedControlConfig)}
+    assert mc["benchmark"]["default"] == MatchedControlConfig().benchmark
+    train = {"student": "s", "teacher": "t", "methods": ["ppo", "memopd", "memopd_persistent", "memopd_self"],
+             "seeds": [0, 1, 2], "benchmark": "q2_train", "horizons": {"q2_test": "Q2", "q8_test": None},
+             "steps": 4, "batch_tasks": 2, "lr_actor": 1e-4,
+             "per_method": {"memopd_self": {"seeds": [5], "lr_actor": 3e-4}}}
+    runs = TrainRuns.from_section(train)
+    assert runs.runs() == [("ppo", 0), ("ppo", 1), ("ppo", 2), ("memopd", 0), ("memopd", 1), ("memopd", 2),
+                           ("memopd_persistent", 0), ("memopd_persistent", 1), ("memopd_persistent", 2),
+                           ("memopd_self", 5)]
+    assert runs.horizons == {"q2_test": "Q2"}  # a null label drops its benchmark
+    assert runs.control() == ({"ppo": [0, 1, 2], "memopd_persistent": [0, 1, 2], "memopd": [0, 1, 2],
+                               "memopd_self": [5]}, "q2_test")
+    fixed = TrainRuns.from_section({**train, "matched_control": {"seeds": [7], "benchmark": "q2_dev"}})
+    assert fixed.control() == ({m: [7] for m in ("ppo", "memopd_persistent", "memopd", "memopd_self")}, "q2_dev")
+    with pytest.raises(ConfigError, match="config section 'train' has no 'student'"):
+        TrainRuns.from_section({k: v for k, v in train.items() if k != "student"})
+    with pytest.raises(ConfigError, match=r"unknown train.matched_control keys \['seed'\]"):
+        TrainRuns.from_section({**train, "matched_control": {"seed": [1]}})
+    with pytest.raises(ConfigError, match=r"train.per_method.ppo: unknown keys \['lr'\]"):
+        TrainRuns.from_section({**train, "per_method": {"ppo": {"lr": 1e-3}}})
 
 
 def test_a_steps_resources_are_the_default_overlaid_by_its_own():

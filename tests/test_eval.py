@@ -114,7 +114,7 @@ def test_evaluation_uses_the_training_rollout_budget_unless_the_config_says_othe
 
 RESULTS_CFG = {"methods": ["ppo", "memopd"], "seeds": [0, 1], "horizons": {"q16_test": "Q16", "q2_test": "Q2",
                                                                      "wikirag_test": "wikirag"},
-               "student": "student_sft", "teacher": "teacher_sft", "steps": 2, "batch_tasks": 4}
+               "student": "student_sft", "teacher": "teacher_sft", "steps": 2, "batch_tasks": 4, "benchmark": "q2_train"}
 # the level each evaluation's scores are made of: a run's is its seed, the SFT models' their own
 LEVELS = {"student_sft": 0, "teacher_sft": 5}
 

@@ -8,6 +8,7 @@ import statistics
 import pytest
 
 from memopd.cli import main
+from memopd.config import TrainRuns
 from memopd.report.results import matched_control_notes, matched_control_rows, matched_control_table
 
 SEEDS = [0, 3, 7, 8, 9, 20]  # six: the smallest sign-flip p is 2 / 64, so a difference can be outside the noise
@@ -19,7 +20,8 @@ EM = {"ppo": [0.10, 0.20, 0.15, 0.12, 0.18, 0.14], "memopd_persistent": [0.12, 0
       "memopd": [0.14, 0.25, 0.20, 0.16, 0.21, 0.17]}
 T975_DF5 = 2.571  # Student t quantile t(0.975, 5), from a printed table
 TRAIN = {"student": "student_sft", "teacher": "teacher_sft", "benchmark": "q2_train", "steps": 4, "batch_tasks": 8,
-         "seeds": [0, 1, 2, 3, 4], "matched_control": {"seeds": SEEDS, "benchmark": "q2_test"}}
+         "seeds": [0, 1, 2, 3, 4], "matched_control": {"seeds": SEEDS, "benchmark": "q2_test"},
+         "methods": ["ppo", "memopd_persistent", "memopd"], "horizons": {"q2_test": "Q2"}}
 
 
 def _write_evals(root, seeds=SEEDS):
@@ -122,7 +124,7 @@ def test_caption_names_the_runs_and_findings_quote_the_paper(table):
 def test_one_seed_gives_no_interval_and_says_so(tmp_path):
     _write_evals(tmp_path / "eval", seeds=[7])
     cfg = {**TRAIN, "matched_control": {"seeds": [7]}}  # benchmark: the default q2_test
-    rows = {(r["row"], r["metric"]): r for r in matched_control_table(cfg, tmp_path / "eval", tmp_path / "t.csv")}
+    rows = {(r["row"], r["metric"]): r for r in matched_control_table(TrainRuns.from_section(cfg), tmp_path / "eval", tmp_path / "t.csv")}
     r = rows[("memopd vs memopd_persistent", "f1")]
     assert r["noise"] == "no test" and r["diff"] == pytest.approx(0.32 - 0.22)  # the first values
     md = (tmp_path / "t.md").read_text()
@@ -133,7 +135,7 @@ def test_a_missing_run_names_its_evaluation(tmp_path):
     _write_evals(tmp_path / "eval")
     cfg = {**TRAIN, "matched_control": {"seeds": [0, 5], "benchmark": "q2_test"}}
     with pytest.raises(FileNotFoundError, match="ppo_seed5/q2_test.json"):
-        matched_control_table(cfg, tmp_path / "eval", tmp_path / "t.csv")
+        matched_control_table(TrainRuns.from_section(cfg), tmp_path / "eval", tmp_path / "t.csv")
 
 
 def test_findings_say_whether_a_clear_difference_goes_the_papers_way():
@@ -169,7 +171,7 @@ def test_each_method_on_its_own_seeds_with_the_regularisation_control(tmp_path):
     cfg = {**TRAIN, "methods": list(own), "seeds": own["ppo"], "matched_control": {"seeds": None},
            "per_method": {"memopd_persistent": {"seeds": own["memopd_persistent"]},
                           "memopd_self": {"seeds": own["memopd_self"]}}}
-    rows = {(r["row"], r["metric"]): r for r in matched_control_table(cfg, tmp_path / "eval", tmp_path / "t.csv")}
+    rows = {(r["row"], r["metric"]): r for r in matched_control_table(TrainRuns.from_section(cfg), tmp_path / "eval", tmp_path / "t.csv")}
     assert {m: rows[(m, "f1")]["seeds"] for m in own} == {m: len(ss) for m, ss in own.items()}
     for other, base in (("memopd_persistent", "ppo"), ("memopd", "memopd_persistent"), ("memopd", "memopd_self")):
         r = rows[(f"{other} vs {base}", "f1")]

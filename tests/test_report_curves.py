@@ -121,7 +121,8 @@ def test_cli_writes_the_trend_table(tmp_path, capsys):
 
     paths = [_run(tmp_path / f"{m}/seed{s}/metrics.jsonl", m, s, 12, opd=m != "ppo")
              for m in ("ppo", "memopd") for s in (0, 1)]
-    cfg = {"benchmark": "q2_train", "student": "student_sft", "teacher": "teacher_sft", "steps": 12, "batch_tasks": 4}
+    cfg = {"benchmark": "q2_train", "student": "student_sft", "teacher": "teacher_sft", "steps": 12, "batch_tasks": 4,
+           "methods": ["ppo", "memopd"], "seeds": [0, 1], "horizons": {"q2_test": "Q2"}}  # a whole train section
     table = tmp_path / "tables/training_curves.csv"
     main(["report", "curves", "--cfg", json.dumps(cfg), "--metrics", *map(str, paths),
           "--figure", str(tmp_path / "curves.png"), "--table", str(table), "--reward", "em"])

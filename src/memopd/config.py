@@ -695,7 +695,6 @@ class PackingAudit:
         return cls(**{**d, "backends": None if d.get("backends") is None else tuple(d["backends"])})
 
 
-MATCHED_DEFAULT_BENCHMARK = "q2_test"
 # What train.per_method.{method} may set: its seeds, step sizes and regularisers (never what the resource plan
 # reads, which stays one value for every method)
 PER_METHOD_KEYS = ("seeds", "lr_actor", "lr_critic", "ppo")
@@ -718,25 +717,67 @@ def method_section(train: dict, method: str) -> dict:
     return out
 
 
-def method_seeds(train: dict, methods=None) -> dict[str, list[int]]:
-    """{method: its seeds} for `methods` (default train.methods): train.per_method.{method}.seeds, else train.seeds."""
-    return {m: list(method_section(train, m)["seeds"]) for m in (train["methods"] if methods is None else methods)}
+@dataclass(frozen=True)
+class MatchedControlConfig:
+    """train.matched_control: the paper's matched control (methods.control_methods) on its own seeds and benchmark."""
+
+    seeds: tuple[int, ...] | None = None  # every control method on these; None: each on its own (TrainRuns.seeds_of)
+    benchmark: str = "q2_test"  # its evaluation, results/eval/{model}/{benchmark}.json
+
+    @classmethod
+    def from_dict(cls, d: dict | None, key: str = "train.matched_control") -> "MatchedControlConfig":
+        d = _known(d, cls, key)
+        return cls(**{**d, "seeds": None if d.get("seeds") is None else tuple(d["seeds"])})
 
 
-def trained_runs(train: dict) -> list[tuple[str, int]]:
-    """(method, seed) of every run of train.methods, each method on its own seeds (method_seeds)."""
-    return [(m, s) for m, seeds in method_seeds(train).items() for s in seeds]
+@dataclass(frozen=True)
+class TrainRuns:
+    """The `train` section as the workflow and the report read it: which runs there are (each method on its seeds),
+    from which models, on which tasks, evaluated where. A run's own settings are memopd.train.config.RunConfig's,
+    from the same section; `per_method` is kept as written (method_section merges it, the report names it)."""
 
+    student: str  # the SFT model every run starts from (results/models/{student})
+    teacher: str
+    methods: tuple[str, ...]
+    seeds: tuple[int, ...]
+    benchmark: str  # the training tasks
+    horizons: dict  # {benchmark: label}: every run's evaluations (a label of null drops the benchmark)
+    steps: int
+    batch_tasks: int
+    matched_control: MatchedControlConfig = field(default_factory=MatchedControlConfig)
+    per_method: dict = field(default_factory=dict)  # {method: its own settings over the section's}
 
-def matched_control_config(train: dict) -> tuple[dict[str, list[int]], str]:
-    """({method: seeds}, benchmark) of the `train` section's matched control (methods.control_methods): every
-    method on matched_control.seeds when it names them, else each on its own (method_seeds); benchmark default
-    q2_test."""
-    mc = train.get("matched_control") or {}
-    methods = control_methods(train.get("methods", ()))
-    seeds = ({m: list(mc["seeds"]) for m in methods} if mc.get("seeds") is not None
-             else method_seeds(train, methods))
-    return seeds, mc.get("benchmark", MATCHED_DEFAULT_BENCHMARK)
+    @classmethod
+    def from_section(cls, train: dict, key: str = "train") -> "TrainRuns":
+        """The section's workflow keys (RunConfig refuses a key neither reads); a ConfigError names a missing key or a
+        bad train.per_method."""
+        d = _required({f.name: train[f.name] for f in fields(cls) if f.name in train}, cls, key)
+        for m in d.get("per_method") or {}:
+            method_section(train, m)
+        return cls(**{**d, "methods": tuple(d["methods"]), "seeds": tuple(d["seeds"]),
+                      "horizons": {b: h for b, h in d["horizons"].items() if h is not None},
+                      "matched_control": MatchedControlConfig.from_dict(d.get("matched_control")),
+                      "per_method": dict(d.get("per_method") or {})})
+
+    def seeds_of(self, method: str) -> list[int]:
+        """train.per_method.{method}.seeds, else train.seeds."""
+        own = self.per_method.get(method) or {}
+        return list(own["seeds"] if "seeds" in own else self.seeds)
+
+    def method_seeds(self, methods=None) -> dict[str, list[int]]:
+        """{method: its seeds} for `methods` (default train.methods)."""
+        return {m: self.seeds_of(m) for m in (self.methods if methods is None else methods)}
+
+    def runs(self) -> list[tuple[str, int]]:
+        """(method, seed) of every run of train.methods, each method on its own seeds."""
+        return [(m, s) for m, seeds in self.method_seeds().items() for s in seeds]
+
+    def control(self) -> tuple[dict[str, list[int]], str]:
+        """({method: seeds}, benchmark) of the matched control: every method on matched_control.seeds when it names
+        them, else each on its own."""
+        mc, methods = self.matched_control, control_methods(self.methods)
+        seeds = {m: list(mc.seeds) for m in methods} if mc.seeds is not None else self.method_seeds(methods)
+        return seeds, mc.benchmark
 
 
 def per_benchmark(value, bench: str):

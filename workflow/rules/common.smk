@@ -38,8 +38,8 @@ PYTHON_ONLINE = 'PYTHONPATH="$MEMOPD_SRC${PYTHONPATH:+:$PYTHONPATH}" "$MEMOPD_PY
 sys.path.insert(0, SRC)  # this checkout's library, as the jobs run it
 try:
     from memopd.codegraph import command_hash, command_targets, package_hash
-    from memopd.config import (RULES, BenchmarksConfig, HubConfig, ResourcesConfig, StudyConfig, eval_job_config,
-                               matched_control_config, method_section, plan_config, teacher_config, trained_runs)
+    from memopd.config import (RULES, BenchmarksConfig, HubConfig, ResourcesConfig, StudyConfig, TrainRuns,
+                               eval_job_config, method_section, plan_config, teacher_config)
     from memopd.data.compose import task_sets
     from memopd.methods import METHODS, teacher_model
     from memopd.prefetch import encodings_dir, hub_repos, localize
@@ -51,6 +51,7 @@ finally:
     sys.path.remove(SRC)
 COMMANDS = command_targets(Path(SRC))  # "audit alignment" -> "memopd.audit.commands:cmd_audit_alignment"
 HUB = HubConfig.from_dict(config["hub"]) if config.get("hub") else None
+RUNS = TrainRuns.from_section(config["train"])  # which runs: each method on its seeds, the matched control's
 HUB_REPOS = hub_repos(config) if HUB else []  # refuses an unpinned repository before any job starts
 HUB_MANIFEST = ["results/prefetch/manifest.json"] if HUB else []
 JOB_CONFIG = localize(config)
@@ -163,7 +164,7 @@ def check_eval_config():
     """The eval step writes one file per benchmark of eval.benchmarks: the trained runs' horizons, the
     matched control's benchmark and the SFT summary's q2_test must be among them (else no rule could
     make their evaluations)."""
-    needed = set(config["train"]["horizons"]) | {config["train"]["matched_control"]["benchmark"], "q2_test"}
+    needed = set(RUNS.horizons) | {RUNS.matched_control.benchmark, "q2_test"}
     missing = needed - set(config["eval"]["benchmarks"])
     if missing:
         raise ValueError(f"config eval.benchmarks lacks {sorted(missing)} (train.horizons, "

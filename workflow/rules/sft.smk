@@ -223,7 +223,7 @@ rule bench_sft:
 
 # the RL student (train.student) too when it is a snapshot of an SFT chain
 SFT_MODELS = ["student_init", "student_sft", "teacher_sft"]
-SFT_MODELS += [m for m in [config["train"]["student"]] if m not in SFT_MODELS]
+SFT_MODELS += [m for m in [RUNS.student] if m not in SFT_MODELS]
 
 
 rule sft_summary:

@@ -6,19 +6,19 @@ TRAIN = config["train"]
 # reads, not how to train), so that changing the control's seeds reruns no training and no Tables 1-2.
 TRAIN_RUN = {k: v for k, v in TRAIN.items() if k != "matched_control"}
 # Every method on its own seeds (train.per_method.{method}.seeds, else train.seeds).
-TRAINED = [f"{m}_seed{s}" for m, s in trained_runs(TRAIN)]
+TRAINED = [f"{m}_seed{s}" for m, s in RUNS.runs()]
 # The matched control: methods fixed (memopd.methods.control_methods), runs {method}_seed{seed}.
-CONTROL_SEEDS, CONTROL_BENCHMARK = matched_control_config(TRAIN)
+CONTROL_SEEDS, CONTROL_BENCHMARK = RUNS.control()
 CONTROL_RUNS = [f"{m}_seed{s}" for m, seeds in CONTROL_SEEDS.items() for s in seeds]
 # What rule archive keeps: ([(model, benchmark)], [(method, seed)]) (memopd.report.archive.contents).
-ARCHIVE_EVALS, ARCHIVE_RUNS = archive_contents(TRAIN)
+ARCHIVE_EVALS, ARCHIVE_RUNS = archive_contents(RUNS)
 
 
 rule train:
     input:
         unpack(train_teacher),
-        student=f"results/models/{TRAIN['student']}/model.safetensors",
-        tasks=f"results/benchmarks/{TRAIN['benchmark']}.parquet",
+        student=f"results/models/{RUNS.student}/model.safetensors",
+        tasks=f"results/benchmarks/{RUNS.benchmark}.parquet",
         index=RETRIEVAL_INDEX,
         tracking=TRACKING_STORE,
     output:
@@ -56,8 +56,8 @@ rule train:
 rule results_tables:
     input:
         # the runs, and the SFT student and teacher (vs_student, and their rows in Tables 1-2)
-        evals=expand("results/eval/{model}/{benchmark}.json", model=TRAINED + [TRAIN["student"], TRAIN["teacher"]],
-                     benchmark=list(TRAIN["horizons"])),
+        evals=expand("results/eval/{model}/{benchmark}.json", model=TRAINED + [RUNS.student, RUNS.teacher],
+                     benchmark=list(RUNS.horizons)),
     output:
         multi=report("results/tables/multiobjective.csv", caption=caption("multiobjective"), category=REPORT_TRAINING,
                      subcategory="Tables 1-2"),
@@ -119,7 +119,7 @@ rule training_curves:
     # train.methods (each on its seeds), and each run's trend (did the reward rise, is it flat at the end); both are
     # also artifacts of the MLflow run `training-curves`
     input:
-        metrics=[f"results/train/{m}/seed{s}/metrics.jsonl" for m, s in trained_runs(TRAIN)],
+        metrics=[f"results/train/{m}/seed{s}/metrics.jsonl" for m, s in RUNS.runs()],
         tracking=TRACKING_STORE,
     output:
         figure=report("results/figures/training_curves.png", caption=caption("training_curves"),

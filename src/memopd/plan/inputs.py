@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from memopd.config import (AgentConfig, AuditRollout, AuditScoring, EvalConfig, PackingAudit, PlanConfig,
                            PretrainedModelConfig, RCEConfig, RCERolloutsConfig, ResourcesConfig, RetrievalConfig,
-                           RolloutConfig, TeacherConfig, TinyModelConfig, TokenizerConfig, eval_config, model_config,
+                           RolloutConfig, TeacherConfig, TinyModelConfig, TokenizerConfig, TrainRuns, eval_config, model_config,
                            plan_config, retrieval_config, rollout_config, teacher_config)
 from memopd.inputs import section
 
@@ -28,6 +28,7 @@ class PlanInputs:
     packing: PackingAudit
     models: dict[str, PretrainedModelConfig | TinyModelConfig]  # student, teacher
     tokenizer: TokenizerConfig
+    runs: TrainRuns  # the train section's runs (which methods and seeds)
 
     @classmethod
     def parse(cls, cfg: dict) -> "PlanInputs":
@@ -38,4 +39,4 @@ class PlanInputs:
                    RCERolloutsConfig.from_dict(cfg["rce_rollouts"]), AuditRollout.from_dict(audit),
                    AuditScoring.from_dict(audit), audit["teacher"], PackingAudit.from_dict(audit["packing"]),
                    {r: model_config(section(cfg, "models", r)[r], f"models.{r}") for r in ("student", "teacher")},
-                   TokenizerConfig.from_dict(cfg["tokenizer"]))
+                   TokenizerConfig.from_dict(cfg["tokenizer"]), TrainRuns.from_section(section(cfg, "train")))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from memopd.config import RULES, PretrainedModelConfig, trained_runs
+from memopd.config import RULES, PretrainedModelConfig
 from memopd.methods import method as method_spec
 from memopd.plan.inputs import PlanInputs
 from memopd.plan.jobs import Job, _common, _fsdp, _job, _resources, _retriever, _rollouts, _scoring, _vllm
@@ -18,11 +18,11 @@ def run_config(p: PlanInputs):
     a method's own settings (train.per_method) that change memory are planned as the first method's."""
     from memopd.train.config import RunConfig
 
-    return RunConfig.from_section(p.raw["train"], p.raw["train"]["methods"][0], 0)
+    return RunConfig.from_section(p.raw["train"], p.runs.methods[0], 0)
 
 
 def plan_train(p: PlanInputs) -> list[Job]:
-    t, ro, run = p.raw["train"], p.rollout, run_config(p)
+    t, ro, run = p.runs, p.rollout, run_config(p)
     job = _job(p, "train")
     w = max(job.gpus, 1)
     s = w if run.shard == "fsdp" and w > 1 else 1
@@ -31,9 +31,9 @@ def plan_train(p: PlanInputs) -> list[Job]:
     k = run.critic_layers or pol.layers  # critic = the policy's first k decoder layers + a scalar head
     pc = pol.params - (pol.layers - k) * pol.layer_params + pol.hidden + 1
     both = 1 + k / pol.layers  # policy + critic, in units of the policy's decoder
-    tokens, actions = episode_tokens(p, t["benchmark"], ro.max_new_tokens)
+    tokens, actions = episode_tokens(p, t.benchmark, ro.max_new_tokens)
     local = math.ceil(run.batch_tasks / w)
-    opd = any(method_spec(m).needs_teacher for m in t["methods"])
+    opd = any(method_spec(m).needs_teacher for m in t.methods)
     for ph in ("rollout", "scoring", "update"):
         _common(job, p, ph)
         job.add(ph, "policy + critic (AdamW)", (pol.params + pc) * 16 / s, f"(P + P_critic) x 16 B / {s}")
@@ -49,7 +49,7 @@ def plan_train(p: PlanInputs) -> list[Job]:
             a = p.plan.vllm_asleep_gb
             job.add(ph, "vLLM asleep", a * GB, f"plan.vllm_asleep_gb {a}")
     else:  # hf: the policy itself generates, gathered whole when sharded
-        _rollouts(job, p, "rollout", pol, t["benchmark"], ro.max_new_tokens, local, weights=False)
+        _rollouts(job, p, "rollout", pol, t.benchmark, ro.max_new_tokens, local, weights=False)
         if s > 1:
             job.add("rollout", "gathered policy", pol.params * BYTES[dt], f"P x {BYTES[dt]} B")
     if s > 1:  # parallel.gathered(policy, ref, critic): three whole models in the FSDP param dtype while scoring
@@ -68,7 +68,7 @@ def plan_train(p: PlanInputs) -> list[Job]:
                     f"{local} episodes x {actions} actions x h_T x {BYTES[dt]} B")
     job.add("update", "activations (policy + critic)", both * tokens * act_per_token(pol, dt, ckpt),
             f"(1 + {k}/{pol.layers}) models x T_pack {tokens} x {'checkpointed ' if ckpt else ''}a({dt}) x L")
-    q, turns, backend = p.plan.prompt_tokens, p.agent.max_turns(t["benchmark"]), run.ppo.attention
+    q, turns, backend = p.plan.prompt_tokens, p.agent.max_turns(t.benchmark), run.ppo.attention
     own = call_input(p, ro.max_new_tokens) - q + ro.max_new_tokens
     backend = resolve_backend(pol, backend, job.gpus > 0, ckpt, dt, q, turns, own)
     scores = attention_scores(pol, backend, job.gpus > 0, 4, tokens, q, turns, own)
@@ -92,7 +92,7 @@ def plan_train(p: PlanInputs) -> list[Job]:
         _train_load(job, p, pol, s)
         _train_resume(job, pol.params, pc, w, s, pol.vocab * pol.hidden * 4)
     _retriever(job, p, copies=w)
-    runs = len(trained_runs(t))
+    runs = len(p.runs.runs())
     job.disk["exports"] = (runs * pol.params * BYTES[dt], f"{runs} runs x P x {BYTES[dt]} B")
     if not run.keep_checkpoint:
         job.disk["checkpoints (transient)"] = (runs * (pol.params + pc) * 12, f"{runs} runs at once x 12 B x (P + P_critic)")
@@ -332,8 +332,8 @@ def _packing_job(p: PlanInputs, am: Spec) -> Job:
 
 def plan_rollouts(p: PlanInputs) -> list[Job]:
     """Evaluation of the largest evaluated model, and the LLM teacher's trajectories."""
-    ev, t, ro = p.eval, p.raw["train"], p.rollout
-    names = list(ev.models) + [f"{m}_seed{s}" for m, s in trained_runs(t)]
+    ev, ro = p.eval, p.rollout
+    names = list(ev.models) + [f"{m}_seed{s}" for m, s in p.runs.runs()]
     role = max(sorted({model_role(n) for n in names}), key=lambda r: role_spec(p, r).params)
     m = role_spec(p, role)
     job = _job(p, "eval", role)

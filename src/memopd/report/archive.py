@@ -24,7 +24,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from memopd.config import matched_control_config, trained_runs
+from memopd.config import TrainRuns
 from memopd.inputs import ConfigError
 from memopd.outputs import write_json
 
@@ -33,18 +33,18 @@ MANIFEST = "archive.json"
 TASK_COLUMNS = ("task_id", "em", "f1")
 
 
-def contents(train: dict) -> tuple[list[tuple[str, str]], list[tuple[str, int]]]:
+def contents(train: TrainRuns) -> tuple[list[tuple[str, str]], list[tuple[str, int]]]:
     """What the archive keeps of the `train` config section's runs: ([(model, benchmark)], [(method, seed)]): every
     run on every horizon, the SFT student and teacher on every horizon, the matched control's runs on its
     benchmark (what the result tables read); the training metrics of every run of train.methods, each on its seeds
     (the curves), and of the matched control's runs (a control seed no method trains has no curve in the tables, yet
     its steps are the evidence of how it trained, e.g. a collapse). Rule `archive` takes its inputs from here."""
-    horizons = list(train["horizons"])
-    seeds, bench = matched_control_config(train)
-    trained = trained_runs(train)
+    horizons = list(train.horizons)
+    seeds, bench = train.control()
+    trained = train.runs()
     control = [(m, s) for m, ss in seeds.items() for s in ss]
     evals = [(f"{m}_seed{s}", b) for m, s in trained for b in horizons]
-    evals += [(model, b) for model in dict.fromkeys([train["student"], train["teacher"]]) for b in horizons]
+    evals += [(model, b) for model in dict.fromkeys([train.student, train.teacher]) for b in horizons]
     evals += [(f"{m}_seed{s}", bench) for m, s in control]
     return list(dict.fromkeys(evals)), list(dict.fromkeys(trained + control))
 
@@ -93,15 +93,16 @@ def chain_evals(chain: dict | None) -> list[tuple[str, str]]:
 
 def write_archive(train: dict, reward: str, eval_dir: str | Path, train_dir: str | Path, out: str | Path,
                   commit: str, label: str = "", claims: dict | None = None, chain: dict | None = None) -> dict:
-    """Copy what `contents(train)` names from `eval_dir` / `train_dir` into `out` (replacing its eval/ and train/)
+    """Copy what `contents` names of the `train` section's runs from `eval_dir` / `train_dir` into `out` (replacing its eval/ and train/)
     and write its manifest (last, so an interrupted archive has none). A missing file is named before anything is
     written. `label`: the run's label, which prefixes its captions (memopd.outputs.LABEL_VAR); `claims`: the config
     section the claims table reads (its short and long horizons among train.horizons, so archived); `chain`: what the
     SFT chain's table reads (memopd.study.commands.chain_config), its evaluations archived too."""
     eval_dir, train_dir, out = Path(eval_dir), Path(train_dir), Path(out)
-    evals, runs = contents(train)
+    typed = TrainRuns.from_section(train)  # the manifest keeps the section as written
+    evals, runs = contents(typed)
     evals = list(dict.fromkeys(evals + chain_evals(chain)))
-    if claims and (outside := [claims[k] for k in ("short", "long") if claims[k] not in train["horizons"]]):
+    if claims and (outside := [claims[k] for k in ("short", "long") if claims[k] not in typed.horizons]):
         raise ConfigError(f"claims: {outside[0]!r} is not a horizon of train.horizons, so not archived")
     sources = [eval_dir / m / f"{b}{ext}" for m, b in evals for ext in (".json", ".csv")]
     sources += [train_dir / m / f"seed{s}" / "metrics.jsonl" for m, s in runs]
@@ -154,6 +155,6 @@ def read_archive(path: str | Path) -> dict:
     return manifest
 
 
-def metrics_files(path: str | Path, manifest: dict) -> list[Path]:
+def metrics_files(path: str | Path, train: TrainRuns) -> list[Path]:
     """The archived metrics of the runs the training-curve table reads (train.methods, each on its seeds)."""
-    return [Path(path) / "train" / m / f"seed{s}" / "metrics.jsonl.gz" for m, s in trained_runs(manifest["train"])]
+    return [Path(path) / "train" / m / f"seed{s}" / "metrics.jsonl.gz" for m, s in train.runs()]

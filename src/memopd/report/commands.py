@@ -3,47 +3,43 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memopd.inputs import existing, parse_cfg, require
+from memopd.config import TrainRuns
+from memopd.inputs import existing, parse_cfg
 from memopd.outputs import print_table, write_table
-
-RESULTS_KEYS = ("methods", "seeds", "horizons", "student", "teacher", "steps", "batch_tasks")  # the `train` section
-MATCHED_KEYS = ("seeds", "student", "teacher", "benchmark", "steps", "batch_tasks")
 
 
 def cmd_report_results(args, cfg):
     """Tables 1-2 (multiobjective, wikirag), vs_student and the F1-vs-horizon figure; every evaluation is read
     before anything is written. The matched control is its own command (report matched-control)."""
-    require(cfg, *RESULTS_KEYS)
-    results_tables(cfg, args.eval_dir, args.out_dir, args.figure)
+    results_tables(TrainRuns.from_section(cfg), args.eval_dir, args.out_dir, args.figure)
 
 
-def results_tables(cfg: dict, eval_dir: str | Path, out_dir: str | Path, figure: str | Path) -> None:
-    """cmd_report_results' tables and figure from the evaluations under `eval_dir` (`cfg`: the train section)."""
-    from memopd.config import method_seeds
+def results_tables(runs: TrainRuns, eval_dir: str | Path, out_dir: str | Path, figure: str | Path) -> None:
+    """cmd_report_results' tables and figure from the evaluations of the `train` section's runs under `eval_dir`."""
     from memopd.report.results import (FAMILY_RULE, METRICS, budget_note, horizon_figure, horizon_order,
                                        load_reference, load_scores, seeds_words, settings_words, table_notes,
                                        table_rows, trained_horizon, vs_student_notes, vs_student_rows)
     from memopd.stats import VERDICT_RULE
 
-    methods, seeds = cfg["methods"], method_seeds(cfg)
-    horizons = horizon_order(cfg["horizons"])  # {benchmark: label}, Q2 before Q16
-    primary = trained_horizon(cfg.get("benchmark", ""), horizons)
+    methods, seeds = list(runs.methods), runs.method_seeds()
+    horizons = horizon_order(runs.horizons)  # {benchmark: label}, Q2 before Q16
+    primary = trained_horizon(runs.benchmark, horizons)
     caption = (f"{{}}: mean +- std over {seeds_words(seeds)} with the 95% t interval of the mean, change vs PPO in %, the "
                f"difference vs PPO over seeds with its 95% interval and exact p (paired t interval and sign-flip p "
                f"over the 2^n sign patterns when both have the same seeds, else Welch's interval and the "
                f"permutation p over the splits of the seeds), the smallest p these seeds allow, {FAMILY_RULE}; "
                f"noise: {VERDICT_RULE}; the paper's change of MemOPD vs PPO in % where it reports one; student "
-               f"{cfg['student']}, teacher {cfg['teacher']}, {cfg['steps']} steps x {cfg['batch_tasks']} tasks"
-               f"{settings_words(cfg)}; EM/F1 "
-               f"= per-task mean over questions; rows {cfg['student']} and {cfg['teacher']}: the SFT student every "
+               f"{runs.student}, teacher {runs.teacher}, {runs.steps} steps x {runs.batch_tasks} tasks"
+               f"{settings_words(runs)}; EM/F1 "
+               f"= per-task mean over questions; rows {runs.student} and {runs.teacher}: the SFT student every "
                f"run starts from and the teacher, one greedy evaluation each (change vs PPO in %; no seeds, so no "
                f"std, interval or test)")
     q = {b: h for b, h in horizons.items() if h != "wikirag"}
     wiki = {b: h for b, h in horizons.items() if h == "wikirag"}
     scores = load_scores(eval_dir, seeds, list(horizons))
-    ref = load_reference(eval_dir, list(dict.fromkeys([cfg["student"], cfg["teacher"]])), list(horizons))
+    ref = load_reference(eval_dir, list(dict.fromkeys([runs.student, runs.teacher])), list(horizons))
     multi = table_rows(scores, methods, q, METRICS["multiobjective"], ref, primary)
-    rows = vs_student_rows(eval_dir, cfg["student"], seeds, horizons, primary=primary)
+    rows = vs_student_rows(eval_dir, runs.student, seeds, horizons, primary=primary)
     write_table(multi, Path(out_dir) / "multiobjective.csv",
                 f"{caption.format('Multi-objective (Q2 train)')}; {budget_note(scores, q)}", notes=table_notes(multi))
     if wiki:
@@ -52,11 +48,11 @@ def results_tables(cfg: dict, eval_dir: str | Path, out_dir: str | Path, figure:
                     f"{budget_note(scores, wiki)}", notes=table_notes(wrows))
     horizon_figure([r for r in multi if r["method"] in methods], figure)
     write_table(rows, Path(out_dir) / "vs_student.csv",
-                f"Each method against the SFT student it started from ({cfg['student']}), on the same tasks: method "
+                f"Each method against the SFT student it started from ({runs.student}), on the same tasks: method "
                 f"(mean over its seeds; {seeds_words(seeds)}) - student, the mean difference over tasks with its 95% interval (a "
                 f"two-level bootstrap, seeds then tasks, with several seeds; BCa over tasks with one); the test over "
                 f"seeds: per seed the mean difference, its t interval (seed_ci) and exact sign-flip p, {FAMILY_RULE}; "
-                f"noise: {VERDICT_RULE}; {cfg['steps']} steps x {cfg['batch_tasks']} tasks; "
+                f"noise: {VERDICT_RULE}; {runs.steps} steps x {runs.batch_tasks} tasks; "
                 f"{budget_note(scores, horizons)}", notes=vs_student_notes(rows))
 
 
@@ -64,8 +60,7 @@ def cmd_report_matched_control(args, cfg):
     """results/tables/matched_control.{csv,md}: its own runs (train.matched_control seeds) on its benchmark."""
     from memopd.report.results import matched_control_table
 
-    require(cfg, *MATCHED_KEYS)
-    print_table(matched_control_table(cfg, args.eval_dir, args.out), args.out)
+    print_table(matched_control_table(TrainRuns.from_section(cfg), args.eval_dir, args.out), args.out)
 
 
 def cmd_report_sft(args, cfg):
@@ -82,7 +77,9 @@ def cmd_report_curves(args, cfg):
     from memopd.tracking import tracked
 
     existing(*args.metrics)
-    runs, rows, bench = curves_table(cfg, args.metrics, args.figure, args.table, args.reward)
+    # --cfg: the workflow's whole `train` section (its runs name the caption), or only the training tasks' benchmark
+    train = TrainRuns.from_section(cfg) if set(cfg) - {"benchmark"} else None
+    runs, rows, bench = curves_table(train, args.metrics, args.figure, args.table, args.reward, cfg.get("benchmark", ""))
     first = next(iter(next(iter(runs.values())).values()))[0]
     with tracked(args.tracking, "training-curves", {"train": cfg, "metrics": list(args.metrics)}, stage="report",
                  model="all", seed=args.seed, tags={"method": "report", "benchmark": bench or first.get("benchmark", "")}) as run:
@@ -91,22 +88,25 @@ def cmd_report_curves(args, cfg):
     print_table(rows, args.table)
 
 
-def curves_table(cfg: dict, metrics: list, figure: str | Path, table: str | Path, reward: str):
-    """The training-curve figure and trend table of the runs' metrics files; returns (runs, rows, benchmark)."""
+def curves_table(train: TrainRuns | None, metrics: list, figure: str | Path, table: str | Path, reward: str,
+                 bench: str = ""):
+    """The training-curve figure and trend table of the runs' metrics files, captioned with the `train` section's
+    runs when given, titled with the training tasks `bench` (train.benchmark when given); returns (runs, rows,
+    benchmark)."""
     from memopd.report.curves import (curves_figure, load_runs, ordered, panel_titles, trend_caption, trend_notes,
                                       trend_rows)
 
     from memopd.report.results import seeds_words
 
     runs = load_runs(metrics)
-    bench = cfg.get("benchmark", "")
+    bench = train.benchmark if train else bench
     seeds = seeds_words({m: sorted(runs[m]) for m in ordered(runs)})
     n_seeds = ", ".join(f"{m} ({len(runs[m])} seed{'s' if len(runs[m]) > 1 else ''})" for m in ordered(runs))
     title = (f"Training curves{' on ' + bench if bench else ''}: {n_seeds}; line = mean over {seeds}, "
              "band = min-max")
     drawn = curves_figure(runs, figure, title, reward)
     rows = trend_rows(runs)
-    write_table(rows, table, trend_caption(cfg, reward, seeds), notes=trend_notes(rows))
+    write_table(rows, table, trend_caption(train, reward, seeds), notes=trend_notes(rows))
     for key, per_method in drawn.items():
         print(f"{key:22s} " + "  ".join(f"{m} {c['mean'][0]:.3g} -> {c['mean'][-1]:.3g}" for m, c in per_method.items()))
     print(f"panels: {'; '.join(panel_titles(reward))}\n-> {figure}")
@@ -120,7 +120,6 @@ def cmd_report_archive(args, cfg):
     from memopd.report.archive import git_commit, write_archive
     from memopd.outputs import LABEL_VAR
 
-    require(cfg, *RESULTS_KEYS, "benchmark")
     m = write_archive(cfg, args.reward, args.eval_dir, args.train_dir, args.out, git_commit(Path(__file__).parent),
                       os.environ.get(LABEL_VAR, ""), parse_cfg(args.claims, "--claims") or None,
                       parse_cfg(args.chain, "--chain") or None)
@@ -139,13 +138,13 @@ def cmd_report_from_archive(args, cfg):
     from memopd.outputs import LABEL_VAR
 
     manifest = read_archive(args.archive)
-    train, out, eval_dir = manifest["train"], Path(args.out_dir), Path(args.archive) / "eval"
+    train, out, eval_dir = TrainRuns.from_section(manifest["train"]), Path(args.out_dir), Path(args.archive) / "eval"
     before = os.environ.get(LABEL_VAR)
     os.environ[LABEL_VAR] = manifest["label"]  # the archived run's captions, whatever this shell's label
     try:
         results_tables(train, eval_dir, out / "tables", out / "figures" / "f1_vs_horizon.png")
         matched_control_table(train, eval_dir, out / "tables" / "matched_control.csv")
-        curves_table(train, metrics_files(args.archive, manifest), out / "figures" / "training_curves.png",
+        curves_table(train, metrics_files(args.archive, train), out / "figures" / "training_curves.png",
                      out / "tables" / "training_curves.csv", manifest["reward"])
         if manifest.get("claims"):
             from memopd.config import ClaimsConfig

@@ -11,6 +11,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from memopd.config import TrainRuns
 from memopd.methods import ORDER as METHOD_ORDER
 from memopd.outputs import pyplot, save_figure
 
@@ -155,12 +156,11 @@ def trend_rows(runs: dict[str, dict[int, list[dict]]], key: str = "reward/task")
     return rows
 
 
-def trend_caption(cfg: dict, reward: str, seeds: str) -> str:
-    """The trend table's caption: the runs (models, steps, tasks; from the `train` config), `seeds` (words: 'seeds
-    [0, 1]') and the rule."""
-    named = {"student", "teacher", "steps", "batch_tasks"} <= set(cfg)  # the workflow passes its `train` section
-    runs = (f"student {cfg['student']}, teacher {cfg['teacher']}, {cfg['steps']} steps x {cfg['batch_tasks']} tasks "
-            f"of {cfg.get('benchmark', '?')}, {seeds}" if named else seeds)
+def trend_caption(train: TrainRuns | None, reward: str, seeds: str) -> str:
+    """The trend table's caption: the runs (models, steps, tasks of the `train` section, when given), `seeds` (words:
+    'seeds [0, 1]') and the rule."""
+    runs = (f"student {train.student}, teacher {train.teacher}, {train.steps} steps x {train.batch_tasks} tasks "
+            f"of {train.benchmark}, {seeds}" if train else seeds)
     return (f"Training curves, the trend of each run ({runs}): task reward ({reward.upper() or 'score'} - invalid "
             f"penalty, per step the mean over its episodes) over the first, the last and the second-last of "
             f"{TREND_BLOCKS} blocks of steps; rise = last - first, end = last - second-last, 95% bootstrap CI "

@@ -19,7 +19,7 @@ import math
 import statistics
 from pathlib import Path
 
-from memopd.config import matched_control_config
+from memopd.config import TrainRuns
 from memopd.methods import BASELINE, SELF_CONTROL
 from memopd.outputs import pyplot, save_figure
 from memopd.stats import (NAN, VERDICT_RULE, SeedTest, compare_seeds, holm, noise_verdict, one_sample_test, paired_bca,
@@ -389,11 +389,11 @@ def seeds_words(seeds: dict[str, list[int]]) -> str:
     return "seeds " + ", ".join(f"{m} {ms}" for m, ms in seeds.items())
 
 
-def settings_words(cfg: dict) -> str:
+def settings_words(runs: TrainRuns) -> str:
     """The `train` section's per-method settings other than seeds ('; per method: ppo lr_actor 0.0003, ppo.beta
     0.01'), '' when there are none."""
     parts = []
-    for m, own in (cfg.get("per_method") or {}).items():
+    for m, own in runs.per_method.items():
         kv = ([f"{k} {v:g}" for k, v in own.items() if k not in ("seeds", "ppo")]
               + [f"ppo.{k} {v:g}" for k, v in (own.get("ppo") or {}).items()])
         if kv:
@@ -401,7 +401,7 @@ def settings_words(cfg: dict) -> str:
     return f"; per method: {'; '.join(parts)}" if parts else ""
 
 
-def matched_control_caption(cfg: dict, seeds: dict[str, list[int]], benchmark: str, scores: dict) -> str:
+def matched_control_caption(runs: TrainRuns, seeds: dict[str, list[int]], benchmark: str, scores: dict) -> str:
     """Names the methods, seeds, benchmark, runs (run directories, models, evaluations) and training set-up."""
     models = [f"{m}_seed{s}" for m, ms in seeds.items() for s in ms]
     episodes = sorted({int(r["episodes"]) for m in seeds for r in scores[(m, benchmark)].values()
@@ -411,10 +411,10 @@ def matched_control_caption(cfg: dict, seeds: dict[str, list[int]], benchmark: s
     increments = ", ".join(f"`{o} vs {b}` = {label}" for o, b, label, _ in INCREMENTS if {o, b} <= set(seeds))
     return (f"Matched control on {benchmark}: methods {', '.join(seeds)} (PPO without teacher; MemOPD "
             f"with the teacher on the persistent history; MemOPD with the teacher on the exact state{own}), "
-            f"everything else identical{settings_words(cfg)}; {seeds_words(seeds)}; runs "
+            f"everything else identical{settings_words(runs)}; {seeds_words(seeds)}; runs "
             f"results/train/{{method}}/seed{{seed}}/ exported as models {', '.join(models)}; evaluations "
-            f"results/eval/{{model}}/{benchmark}.json{tasks}. Student {cfg['student']}, teacher {cfg['teacher']}, "
-            f"trained on {cfg['benchmark']} for {cfg['steps']} steps x {cfg['batch_tasks']} tasks. Method rows: mean "
+            f"results/eval/{{model}}/{benchmark}.json{tasks}. Student {runs.student}, teacher {runs.teacher}, "
+            f"trained on {runs.benchmark} for {runs.steps} steps x {runs.batch_tasks} tasks. Method rows: mean "
             f"+- std over seeds and 95% t interval; increment rows ({increments}): change of the mean in %, the "
             f"difference over seeds with its 95% interval and exact p (paired t interval and sign-flip p when both "
             f"have the same seeds, else Welch's interval and the permutation p over the splits of the seeds; "
@@ -423,14 +423,14 @@ def matched_control_caption(cfg: dict, seeds: dict[str, list[int]], benchmark: s
             f"per-task mean over questions")
 
 
-def matched_control_table(cfg: dict, eval_dir: str | Path, out_csv: str | Path) -> list[dict]:
-    """results/tables/matched_control.{csv,md} from results/eval/{method}_seed{seed}/{benchmark}.json.
-    cfg: the `train` config section (config.matched_control_config: the methods' seeds, the benchmark)."""
+def matched_control_table(runs: TrainRuns, eval_dir: str | Path, out_csv: str | Path) -> list[dict]:
+    """results/tables/matched_control.{csv,md} from results/eval/{method}_seed{seed}/{benchmark}.json, for the
+    matched control of the `train` section's runs (TrainRuns.control: the methods' seeds, the benchmark)."""
     from memopd.outputs import write_table
 
-    seeds, benchmark = matched_control_config(cfg)
+    seeds, benchmark = runs.control()
     scores = load_scores(eval_dir, seeds, [benchmark])
     rows = matched_control_rows(scores, benchmark)
-    write_table(rows, out_csv, matched_control_caption(cfg, seeds, benchmark, scores),
+    write_table(rows, out_csv, matched_control_caption(runs, seeds, benchmark, scores),
                 notes=matched_control_notes(rows))
     return rows

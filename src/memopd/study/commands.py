@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from memopd.config import ClaimsConfig
+from memopd.config import ClaimsConfig, TrainRuns
 from memopd.inputs import existing, require
 from memopd.outputs import write_json
 
@@ -40,17 +40,16 @@ def cmd_study_claims(args, cfg):
     """results/tables/claims.{csv,md}: the paper's claims over seeds (memopd.study.claims), the primaries of
     `claims.primary` Holm-adjusted together. --cfg: {"train": the train section, "claims": the claims section}."""
     require(cfg, "train", "claims")
-    claims_table(cfg["train"], ClaimsConfig.from_dict(cfg["claims"]), args.eval_dir, args.out)
+    claims_table(TrainRuns.from_section(cfg["train"]), ClaimsConfig.from_dict(cfg["claims"]), args.eval_dir, args.out)
 
 
-def claims_table(train: dict, claims: ClaimsConfig, eval_dir: str | Path, out: str | Path) -> list[dict]:
-    from memopd.config import method_seeds
+def claims_table(train: TrainRuns, claims: ClaimsConfig, eval_dir: str | Path, out: str | Path) -> list[dict]:
     from memopd.outputs import print_table, write_table
     from memopd.report.results import load_scores, seeds_words
     from memopd.stats import VERDICT_RULE
     from memopd.study.claims import claim_notes, claim_rows
 
-    seeds = method_seeds(train)
+    seeds = train.method_seeds()
     scores = load_scores(eval_dir, seeds, [claims.short, claims.long])
     f1 = {k: {s: r["f1"] for s, r in v.items()} for k, v in scores.items()}
     rows = claim_rows(f1, list(claims.primary), claims.short, claims.long)

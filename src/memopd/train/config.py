@@ -3,18 +3,17 @@
 Every default of the section is a default of these dataclasses (`train.ppo` and `train.dtype`: PPOConfig's),
 the ones workflow/schemas/config.schema.yaml states included; the one rule across keys (prefix_shared cannot
 run activation-checkpointed models: `parallel.check_backend`) is checked here, before any model loads. Keys
-the workflow reads and a run does not (WORKFLOW_KEYS) are accepted and ignored; any other key is refused.
+the workflow reads and a run does not (memopd.config.TrainRuns) are accepted and ignored; any other key is refused.
 """
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields
 
-from memopd.config import ColocatedEngineConfig, method_section
+from memopd.config import ColocatedEngineConfig, TrainRuns, method_section
 from memopd.dist import TIMEOUT_MIN
 from memopd.parallel import SHARDING, check_backend
 from memopd.train.update import PPOConfig
 
-WORKFLOW_KEYS = ("student", "teacher", "methods", "seeds", "benchmark", "horizons", "matched_control")
 # PPOConfig fields that are not keys of train.ppo: the run's method and seed, train.dtype, the tokenizer's size
 PPO_RUN_FIELDS = ("method", "seed", "dtype", "vocab")
 # train.ppo keys spelled otherwise in PPOConfig: each lambda named for what it weighs, the attention path for what it is
@@ -52,7 +51,7 @@ class RunConfig:
         (train.per_method) over the rest."""
         section = method_section(section, method)
         own = {f.name for f in fields(cls)}
-        if unknown := set(section) - own - {"dtype"} - set(WORKFLOW_KEYS):
+        if unknown := set(section) - own - {"dtype"} - {f.name for f in fields(TrainRuns)}:
             raise ValueError(f"unknown train config keys {sorted(unknown)}")
         if missing := {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING} - set(section):
             raise ValueError(f"train config lacks {sorted(missing)}")
