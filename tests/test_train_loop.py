@@ -11,6 +11,7 @@ import yaml
 from safetensors.torch import load_file
 
 from agent_support import ROOT, nq_tasks, protocol_student, random_student, retriever, tokenizer, training_dir
+from memopd.config import AgentConfig, RolloutConfig
 from memopd.report.results import table_rows
 from memopd.train.loop import task_order, train_run
 from memopd.schema import merge_files
@@ -630,12 +631,13 @@ def test_training_checkpoints_activations_when_configured(setup, tmp_path, monke
                   log=lambda *a: None)
 
 
-def _identity(train: dict, method: str = "memopd") -> dict:
-    """The resume identity of seed 0 of `method` under this train section (the other sections held fixed)."""
+def _identity(train: dict, method: str = "memopd", **sections) -> dict:
+    """The resume identity of seed 0 of `method` under this train section and the embedded default's agent and
+    rollout sections (`sections` replacing them)."""
     from memopd.train.loop import training_identity
 
-    return training_identity({"train": train, "agent": {}, "rollout": {}},
-                             RunConfig.from_section(train, method, 0), method, 0)
+    cfg = {k: v for k, v in merge_files([ROOT / "config" / "config.yaml"]).items() if k in ("agent", "rollout")}
+    return training_identity({**cfg, **sections, "train": train}, RunConfig.from_section(train, method, 0), method, 0)
 
 
 def _train(**changes) -> dict:
@@ -674,6 +676,22 @@ def test_a_runs_identity_is_its_typed_section():
     own = _train(per_method={"memopd": {"ppo": {"opd_coef": 3.0}}})
     assert _identity(train) != _identity(own)
     assert _identity(train, "memopd") != _identity(train, "memopd_persistent")  # same settings, another method
+
+
+def test_a_runs_identity_holds_the_typed_agent_and_rollout_sections():
+    """The agent and rollout settings a run reads are part of its identity as typed: a default written out or left
+    out is the same run, a changed setting another; the evaluation engine's GPU share, which a training run does not
+    start, is not part of it."""
+    base = merge_files([ROOT / "config" / "config.yaml"])
+    agent, rollout, train = base["agent"], base["rollout"], _train()
+    assert "top_p" in rollout and rollout["top_p"] == 1.0 == RolloutConfig().top_p
+    assert _identity(train) == _identity(train, rollout={k: v for k, v in rollout.items() if k != "top_p"})
+    assert _identity(train) == _identity(train, agent={**agent, "max_query_chars": AgentConfig().max_query_chars})
+    assert _identity(train) != _identity(train, agent={**agent, "top_k": agent.get("top_k", 3) + 1})
+    assert _identity(train) != _identity(train, rollout={**rollout, "temperature": 0.5})
+    share = {**rollout, "vllm": {**(rollout.get("vllm") or {}), "gpu_memory_utilization": 0.5}}
+    assert _identity(train) == _identity(train, rollout=share)
+    assert _identity(train) != _identity(train, rollout={**share, "vllm": {**share["vllm"], "max_model_len": 999}})
 
 
 def test_a_training_run_prints_its_progress_with_the_time_left(setup, tmp_path, capsys):

@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from memopd import parallel
+from memopd.config import agent_config, rollout_config
 from memopd.dist import dist_info, gather, setup_distributed
 from memopd.harness import Harness, Part, ResumeMismatch, export, run_identity
 from memopd.methods import method as method_spec
@@ -58,13 +59,14 @@ from memopd.train.config import RunConfig
 from memopd.train.update import ValueModel, ppo_update
 from memopd.vocab import check_model_dirs
 
-# RunConfig fields (dotted) that do not change what a step computes, so not part of a run's identity: the data
-# order of the first steps does not depend on train.steps (`task_order`), so a finished run can be extended; the
-# vLLM engine's settings (its GPU share, sleep mode), the loss's chunk of logit rows and the collective timeout
-# change memory or waiting, not the result (per-row log-softmax; chunk sums differ in float rounding only), so a
-# resumed run may lower them after running out of memory.
-NOT_IDENTITY = ("steps", "checkpoint_every", "keep_checkpoint", "activation_checkpointing", "vllm",
-                "dist_timeout_min", "ppo.chunk_size")
+# Settings (dotted, from the config's root) that do not change what a step computes, so not part of a run's
+# identity: the data order of the first steps does not depend on train.steps (`task_order`), so a finished run can
+# be extended; the colocated vLLM engine's settings (its GPU share, sleep mode), the loss's chunk of logit rows and
+# the collective timeout change memory or waiting, not the result (per-row log-softmax; chunk sums differ in float
+# rounding only), so a resumed run may lower them after running out of memory; rollout.vllm's GPU share is an
+# evaluation engine's, which a training run does not start.
+NOT_IDENTITY = ("train.steps", "train.checkpoint_every", "train.keep_checkpoint", "train.activation_checkpointing",
+                "train.vllm", "train.dist_timeout_min", "train.ppo.chunk_size", "rollout.vllm.gpu_memory_utilization")
 
 
 def _without(section: dict, paths) -> dict:
@@ -80,11 +82,12 @@ def _without(section: dict, paths) -> dict:
 
 
 def training_identity(cfg: dict, run: RunConfig, method: str, seed: int, **inputs) -> dict:
-    """What a checkpoint must match to be resumed (harness.run_identity): the run's typed train section (`run`:
-    every default filled in, the method's own settings; less NOT_IDENTITY), the other config sections it reads,
-    method, seed and every input (`inputs`: name -> file or directory, or None). A default written out or left
-    out, or another method's settings, is the same run."""
-    return run_identity({**cfg, "train": _without(asdict(run), NOT_IDENTITY)}, seed, inputs, method=method)
+    """What a checkpoint must match to be resumed (harness.run_identity): the typed sections the run reads (train:
+    `run`, with the method's own settings; agent and rollout: config.agent_config and rollout_config of `cfg`;
+    every default filled in, less NOT_IDENTITY), method, seed and every input (`inputs`: name -> file or
+    directory, or None). A default written out or left out, or another method's settings, is the same run."""
+    typed = {"train": asdict(run), "agent": asdict(agent_config(cfg)), "rollout": asdict(rollout_config(cfg))}
+    return run_identity(_without(typed, NOT_IDENTITY), seed, inputs, method=method)
 
 
 def preflight(cfg: dict, run: RunConfig, method: str, seed: int, student_dir, teacher_dir, tasks_path, index_dir,
@@ -228,7 +231,6 @@ class _RunStep:
     @classmethod
     def build(cls, cfg, run: RunConfig, method, seed, student_dir, teacher_dir, tasks_path, index_dir, device):
         from memopd.agent.protocol import load_tasks
-        from memopd.config import agent_config, rollout_config
         from memopd.generation.backends import HFBackend, VLLMBackend, make_sampling
         from memopd.models import load_tokenizer
         from memopd.retrieval import load_retriever
