@@ -80,11 +80,11 @@ def cmd_audit_context_updates(args, cfg):
 def cmd_audit_packing(args, cfg):
     from memopd.audit.steps import packing_step
 
-    require(cfg, "backends")
-    PackingAudit.from_dict(section(cfg, "packing"))  # a missing or unknown key, named before any model loads
+    backends = require(cfg, "backends")["backends"]
+    pk = PackingAudit.from_dict(section(cfg, "packing"))  # a missing or unknown key, named before any model loads
     existing(args.model, args.episodes)
     _audit_threads(args)
-    rows = packing_step(cfg, args.model, args.episodes, args.out, args.figure, seed=args.seed)
+    rows = packing_step(pk, backends, args.model, args.episodes, args.out, args.figure, seed=args.seed)
     print(f"{len(rows)} rows -> {args.out}")
 
 

@@ -325,14 +325,15 @@ def context_updates_step(cfg: AuditScoring, model_dir: str, episode_paths: list[
     return rows
 
 
-def packing_step(cfg: dict, model_dir: str, episodes_path: str, out: str, figure: str, seed: int = 0) -> list[dict]:
+def packing_step(pk: PackingAudit, audit_backends, model_dir: str, episodes_path: str, out: str, figure: str,
+                 seed: int = 0) -> list[dict]:
     """Packing efficiency: synthetic sweep (the benchmark's tiny model) and real audit episodes (the audit
-    model), every path, forward and forward+backward, each row with its RCE error."""
+    model), every path, forward and forward+backward, each row with its RCE error; the paths are
+    audit.packing.backends, else the audit's (`audit_backends`)."""
     from memopd.audit.packing_bench import DEFAULTS, run_real, run_sweep, summarize
     from memopd.rce import tolerances
 
-    pk = PackingAudit.from_dict(cfg["packing"])
-    backends = list(pk.backends or cfg["backends"])
+    backends = list(pk.backends or audit_backends)
     syn = {**pk.synthetic, "backends": backends}
     rows = run_sweep(syn, seed=seed, repeats=pk.repeats)
     episodes, meta = read_episodes(episodes_path)
