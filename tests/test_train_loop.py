@@ -15,7 +15,7 @@ from memopd.config import AgentConfig, RolloutConfig
 from memopd.report.results import table_rows
 from memopd.train.loop import task_order, train_run
 from memopd.schema import merge_files
-from memopd.train.config import RunConfig
+from memopd.train.config import RunConfig, RunSections
 
 
 @pytest.fixture(scope="module")
@@ -637,7 +637,7 @@ def _identity(train: dict, method: str = "memopd", **sections) -> dict:
     from memopd.train.loop import training_identity
 
     cfg = {k: v for k, v in merge_files([ROOT / "config" / "config.yaml"]).items() if k in ("agent", "rollout")}
-    return training_identity({**cfg, **sections, "train": train}, RunConfig.from_section(train, method, 0), method, 0)
+    return training_identity(RunSections.parse({**cfg, **sections, "train": train}, method, 0), method, 0)
 
 
 def _train(**changes) -> dict:

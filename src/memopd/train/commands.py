@@ -3,27 +3,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memopd.inputs import UsageError, existing, section
+from memopd.inputs import UsageError, existing
 from memopd.methods import METHODS, method as method_spec
-
-TRAIN_KEYS = ("steps", "batch_tasks", "lr_actor", "lr_critic")  # what train_run reads of `train` without a default
 
 
 def cmd_train(args, cfg):
-    from memopd.config import agent_config
     from memopd.harness import job
-    from memopd.train.config import RunConfig
+    from memopd.train.config import RunSections
     from memopd.train.loop import train_run
 
-    section(cfg, "train", *TRAIN_KEYS)
-    agent_config(cfg)
+    run = RunSections.parse(cfg, args.method, args.seed).run  # a bad section named before anything runs
     if method_spec(args.method).needs_teacher and args.teacher is None:
         raise UsageError(f"method {args.method!r} needs --teacher")
     existing(args.student, args.teacher, args.tasks, args.index)
-    try:
-        run = RunConfig.from_section(cfg["train"], args.method, args.seed)
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"config section 'train': {e}") from None
     out = Path(args.out_dir)
     with job(args.tracking, f"train-{args.method}-seed{args.seed}", cfg, "train", f"{args.method}_seed{args.seed}",
              args.seed, tags={"method": args.method, "benchmark": Path(args.tasks).stem}, threads=args.threads,

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields
 
-from memopd.config import ColocatedEngineConfig, TrainRuns, method_section
+from memopd.config import (AgentConfig, ColocatedEngineConfig, RolloutConfig, TrainRuns, agent_config, method_section,
+                           rollout_config)
 from memopd.dist import TIMEOUT_MIN
+from memopd.inputs import ConfigError, section
 from memopd.parallel import SHARDING, check_backend
 from memopd.train.update import PPOConfig
 
@@ -64,3 +66,26 @@ class RunConfig:
                         method=method, seed=seed)
         return cls(**{k: v for k, v in section.items() if k in own and k not in ("ppo", "vllm")}, ppo=ppo,
                    vllm=ColocatedEngineConfig.from_dict(section.get("vllm")))
+
+
+@dataclass(frozen=True)
+class RunSections:
+    """What one training run reads of the config, typed once at its entry: its train section (the method's own
+    settings over the rest), agent (its batch size rollout's) and rollout."""
+
+    run: RunConfig
+    agent: AgentConfig
+    rollout: RolloutConfig
+
+    @classmethod
+    def parse(cls, cfg: dict, method: str, seed: int) -> RunSections:
+        """`cfg`'s train, agent and rollout sections; a bad or missing key of any is a ConfigError naming its
+        section, before anything runs."""
+        agent, rollout = agent_config(cfg), rollout_config(cfg)
+        try:
+            run = RunConfig.from_section(section(cfg, "train"), method, seed)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"config section 'train': {e}") from None
+        return cls(run, agent, rollout)

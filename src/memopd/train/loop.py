@@ -51,11 +51,10 @@ from pathlib import Path
 import torch
 
 from memopd import parallel
-from memopd.config import agent_config, rollout_config
 from memopd.dist import dist_info, gather, setup_distributed
 from memopd.harness import Harness, Part, ResumeMismatch, export, run_identity
 from memopd.methods import method as method_spec
-from memopd.train.config import RunConfig
+from memopd.train.config import RunConfig, RunSections
 from memopd.train.update import ValueModel, ppo_update
 from memopd.vocab import check_model_dirs
 
@@ -81,16 +80,16 @@ def _without(section: dict, paths) -> dict:
     return out
 
 
-def training_identity(cfg: dict, run: RunConfig, method: str, seed: int, **inputs) -> dict:
-    """What a checkpoint must match to be resumed (harness.run_identity): the typed sections the run reads (train:
-    `run`, with the method's own settings; agent and rollout: config.agent_config and rollout_config of `cfg`;
-    every default filled in, less NOT_IDENTITY), method, seed and every input (`inputs`: name -> file or
-    directory, or None). A default written out or left out, or another method's settings, is the same run."""
-    typed = {"train": asdict(run), "agent": asdict(agent_config(cfg)), "rollout": asdict(rollout_config(cfg))}
+def training_identity(s: RunSections, method: str, seed: int, **inputs) -> dict:
+    """What a checkpoint must match to be resumed (harness.run_identity): the typed sections the run reads (train,
+    with the method's own settings, agent and rollout; every default filled in, less NOT_IDENTITY), method, seed
+    and every input (`inputs`: name -> file or directory, or None). A default written out or left out, or another
+    method's settings, is the same run."""
+    typed = {"train": asdict(s.run), "agent": asdict(s.agent), "rollout": asdict(s.rollout)}
     return run_identity(_without(typed, NOT_IDENTITY), seed, inputs, method=method)
 
 
-def preflight(cfg: dict, run: RunConfig, method: str, seed: int, student_dir, teacher_dir, tasks_path, index_dir,
+def preflight(s: RunSections, method: str, seed: int, student_dir, teacher_dir, tasks_path, index_dir,
               harness: Harness) -> dict | None:
     """The refusals of a run, before any model loads (minutes at paper scale): the OPD methods need a
     teacher with the student's tokenizer (OPD compares the two id by id), and a checkpoint is resumed only
@@ -100,12 +99,13 @@ def preflight(cfg: dict, run: RunConfig, method: str, seed: int, student_dir, te
         raise ValueError(f"method {method!r} needs a teacher")
     if taught:
         check_model_dirs(student_dir, teacher_dir)
-    harness.identity = training_identity(cfg, run, method, seed, student=student_dir,
+    harness.identity = training_identity(s, method, seed, student=student_dir,
                                          teacher=teacher_dir if taught else None, tasks=tasks_path, index=index_dir)
     resume = harness.find()
-    if resume is not None and resume["step"] > run.steps:  # train.steps is not part of the identity
-        raise ResumeMismatch(f"{harness.path} is at step {resume['step']}, past train.steps {run.steps}: its model "
-                             f"is not this run's; delete {harness.path} to train {run.steps} steps from scratch")
+    if resume is not None and resume["step"] > s.run.steps:  # train.steps is not part of the identity
+        raise ResumeMismatch(f"{harness.path} is at step {resume['step']}, past train.steps {s.run.steps}: its "
+                             f"model is not this run's; delete {harness.path} to train {s.run.steps} steps from "
+                             "scratch")
     return resume
 
 
@@ -163,10 +163,10 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
     `stop_after` ends the process after that many steps of this invocation (tests of resume).
     Under torchrun (WORLD_SIZE > 1) every rank calls this; only rank 0 writes files and calls `tracker`.
     Returns the metrics of this invocation's steps."""
-    run = RunConfig.from_section(cfg["train"], method, seed)  # refuses a bad section before anything runs
-    out = Path(out_dir)
+    sections = RunSections.parse(cfg, method, seed)  # refuses a bad section before anything runs
+    run, out = sections.run, Path(out_dir)
     harness = Harness(out / "checkpoint", {}, run.steps, run.checkpoint_every, f"{method} seed {seed}")
-    resume = preflight(cfg, run, method, seed, student_dir, teacher_dir, tasks_path, index_dir, harness)
+    resume = preflight(sections, method, seed, student_dir, teacher_dir, tasks_path, index_dir, harness)
     device = setup_distributed(run.dist_timeout_min)
     rank, world, _ = dist_info()
     if world > 1:  # sharded checkpoints are written by a background thread with collectives of their own: a
@@ -176,7 +176,7 @@ def train_run(cfg: dict, method: str, seed: int, student_dir: str | Path, teache
         raise ValueError(f"train.batch_tasks {run.batch_tasks} < {world} ranks: some rank would get no episode")
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
-    step = _RunStep.build(cfg, run, method, seed, student_dir, teacher_dir, tasks_path, index_dir, device)
+    step = _RunStep.build(sections, method, seed, student_dir, teacher_dir, tasks_path, index_dir, device)
     harness.parts = [Part("policy", step.policy, "actor_opt", step.actor_opt),
                      Part("critic", step.critic, "critic_opt", step.critic_opt)]
     start = harness.resume(resume)
@@ -229,13 +229,13 @@ class _RunStep:
     schedule: list[list[int]]
 
     @classmethod
-    def build(cls, cfg, run: RunConfig, method, seed, student_dir, teacher_dir, tasks_path, index_dir, device):
+    def build(cls, s: RunSections, method, seed, student_dir, teacher_dir, tasks_path, index_dir, device):
         from memopd.agent.protocol import load_tasks
         from memopd.generation.backends import HFBackend, VLLMBackend, make_sampling
         from memopd.models import load_tokenizer
         from memopd.retrieval import load_retriever
 
-        ro = rollout_config(cfg)
+        run, ro = s.run, s.rollout
         _, world, _ = dist_info()
         tok = load_tokenizer(student_dir)
         sampling = make_sampling(ro)
@@ -255,7 +255,7 @@ class _RunStep:
         # the OPD KL runs over the tokenizer's real ids (heads may be padded beyond them)
         return cls(run, method, seed, device, policy, ref, critic, teacher, actor_opt, critic_opt,
                    replace(run.ppo, vocab=len(tok)), backend, sync, tok, tasks, load_retriever(index_dir),
-                   agent_config(cfg), task_order(len(tasks), run.steps, run.batch_tasks, seed))
+                   s.agent, task_order(len(tasks), run.steps, run.batch_tasks, seed))
 
     def __call__(self, step: int) -> dict:
         from memopd.agent.rollout import rollout
