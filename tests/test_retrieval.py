@@ -221,3 +221,26 @@ def test_e5_finds_the_gold_passage(tmp_path):
     hits = load_retriever(tmp_path / "e5").search([q.question for q in qas], k=5)
     found = sum(q.qid in {h.id for h in hs} for q, hs in zip(qas, hits))
     assert found >= 180, f"gold passage in top 5 for {found}/200"
+
+
+def test_an_index_is_the_same_bytes_whatever_the_string_hashes(tmp_path):
+    """bm25s numbers stemmed words in set order (string hashes differ per process): two builds under other
+    PYTHONHASHSEEDs write the same vocabulary and score matrix, and find the same passages."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys; from memopd.retrieval.bm25 import build_index; "
+              "build_index({'id': ['a', 'b', 'c'], 'title': ['Paris', 'Berlin', 'Rome'], 'text': ['capital of "
+              "France on the Seine river', 'capital of Germany on the Spree river', 'capital of Italy, the "
+              "eternal city, rivers Tiber and Aniene']}, sys.argv[1])")
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / seed)], check=True, env=env)
+    vocab = [json.loads((tmp_path / s / "vocab.index.json").read_text()) for s in ("1", "2")]
+    assert vocab[0] == vocab[1]  # each word the same id
+    for name in ("data", "indices", "indptr"):
+        assert (tmp_path / "1" / f"{name}.csc.index.npy").read_bytes() == \
+            (tmp_path / "2" / f"{name}.csc.index.npy").read_bytes()
+    hits = [load_retriever(tmp_path / s).search(["the river through the capital of Germany"], k=3)[0] for s in "12"]
+    assert [h.id for h in hits[0]] == [h.id for h in hits[1]] and hits[0][0].id == "b"

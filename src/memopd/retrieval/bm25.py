@@ -30,6 +30,15 @@ def _stemmer(name: str | None):
     return Stemmer.Stemmer(name).stemWords
 
 
+def _sorted_vocabulary(tokens):
+    """bm25s.Tokenized with its words numbered in sorted order: with a stemmer, bm25s (0.3.16, tokenization.py)
+    numbers the stems in set order, which follows string hashes and so changes with every process; renumbered, the
+    index is the same bytes in every run (its scores never depended on the numbering)."""
+    vocab = {word: i for i, word in enumerate(sorted(tokens.vocab))}
+    new_id = {old: vocab[word] for word, old in tokens.vocab.items()}
+    return type(tokens)(ids=[[new_id[i] for i in doc] for doc in tokens.ids], vocab=vocab)
+
+
 class BM25Retriever(Retriever):
     """`search(queries, k)` over a bm25s index; build with `BM25Retriever.build`, reopen with `load`."""
 
@@ -51,8 +60,8 @@ class BM25Retriever(Retriever):
         if not corpus["id"]:
             raise ValueError("cannot index an empty corpus")
         docs = [" ".join([t] * p["title_weight"] + [x]) for t, x in zip(corpus["title"], corpus["text"])]
-        tokens = bm25s.tokenize(docs, stopwords=p["stopwords"], stemmer=_stemmer(p["stemmer"]),
-                                show_progress=progress)
+        tokens = _sorted_vocabulary(bm25s.tokenize(docs, stopwords=p["stopwords"], stemmer=_stemmer(p["stemmer"]),
+                                                   show_progress=progress))
         model = bm25s.BM25(k1=p["k1"], b=p["b"], method=p["method"])
         model.index(tokens, show_progress=progress)
         return cls(model, list(corpus["id"]), list(corpus["title"]), list(corpus["text"]), p)
