@@ -783,3 +783,23 @@ def test_each_step_samples_with_its_own_seed_the_same_for_every_method(setup, tm
     for method in ("ppo", "memopd"):
         _run((d, short), tmp_path / method, method=method)
     assert seen == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("section, bad, message", [
+    ("train", {"lrr": 1}, r"memopd train: config section 'train': unknown train config keys \['lrr'\]"),
+    ("agent", {"topk": 1}, r"memopd train: config section 'agent': unknown agent config keys \['topk'\]"),
+    ("rollout", {"temp": 1}, r"memopd train: config section 'rollout': unknown rollout config keys \['temp'\]")])
+def test_memopd_train_names_a_misspelt_key_in_one_line(tmp_path, capsys, section, bad, message):
+    """A misspelt key of any section a run reads: one line naming the section and the key, exit 2, before any
+    input is opened (the model paths here do not exist)."""
+    from memopd.cli import main
+
+    base = merge_files([ROOT / "config" / "config.yaml"])
+    cfg = {k: base[k] for k in ("train", "agent", "rollout")}
+    cfg[section] = {**cfg[section], **bad}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--cfg", json.dumps(cfg), "--method", "ppo", "--seed", "0", "--student", str(tmp_path / "s"),
+              "--tasks", str(tmp_path / "t.parquet"), "--index", str(tmp_path / "i"), "--out-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and re.fullmatch(message + ".*", err[0]), err
