@@ -268,3 +268,104 @@ def test_the_archived_tuning_runs_give_the_verdicts_their_run_printed(tuning):
     res = subprocess.run([sys.executable, str(ARCHIVES.parent / "workflow/scripts/tuning.py"), "check", "--dev",
                           str(d / "student"), "--out", str(d)], capture_output=True, text=True, check=True)
     assert res.stdout == (d / "check.txt").read_text()
+
+
+SFT = ["student_init", "student_sft", "teacher_sft"]
+
+
+def _sft_results(root):
+    """What the SFT summary reads of each model: held-out loss, model record (the pre-training and SFT seconds), its
+    q2_test evaluation (student_sft and teacher_sft's are the runs' own)."""
+    rng = random.Random(2)
+    for i, m in enumerate(SFT):
+        (root / "sft").mkdir(parents=True, exist_ok=True)
+        (root / "sft" / f"heldout_{m}.json").write_text(json.dumps({"params": 1000 + i, "heldout_target_loss":
+                                                                      rng.random()}))
+        (root / "models" / m).mkdir(parents=True, exist_ok=True)
+        (root / "models" / m / "memopd_model.json").write_text(json.dumps(
+            {"sft": {"train_seconds": rng.random() * 100}, "pretrain": {"train_seconds": rng.random() * 10}}))
+    src, dst = root / "eval/student_sft", root / "eval/student_init"  # student_init: the student's tasks, worse
+    dst.mkdir(parents=True)
+    with open(src / "q2_test.csv", newline="") as f:
+        tasks = [{**t, "f1": float(t["f1"]) / 2, "em": 0.0} for t in csv.DictReader(f)]
+    with open(dst / "q2_test.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, list(tasks[0]))
+        w.writeheader()
+        w.writerows(tasks)
+    ev = json.loads((src / "q2_test.json").read_text())
+    (dst / "q2_test.json").write_text(json.dumps({**ev, "em": 0.0, "f1": sum(t["f1"] for t in tasks) / len(tasks)}))
+    for m in SFT:  # the share of episodes that answered, which only the SFT summary reads
+        f = root / "eval" / m / "q2_test.json"
+        f.write_text(json.dumps({**json.loads(f.read_text()), "answered_rate": rng.random()}))
+
+
+def _other_tables(root, tiny_lm):
+    """The benchmark, recall and alignment outputs of a run, each written by its own step's code."""
+    from memopd.data.compose import stats_rows, write
+    from memopd.records import save_episodes
+    from memopd.synthetic import RULES, random_episode
+
+    rows = {f"q{n}_{split}": [{"task_id": f"q{n}_{split}-{i}", "benchmark": f"q{n}", "split": split, "n": n,
+                               "source": "nq", "question": "?", "answer": "!", "questions": ["?"] * n,
+                               "answers": [["!"]] * n, "qids": [f"nq:{split}{i}_{j}" for j in range(n)],
+                               "sources": (["nq", "hotpotqa"] * n)[:n], "evidence_titles": [[]] * n}
+                              for i in range(5 + n)] for n, split in ((2, "train"), (2, "test"), (4, "test"))}
+    write(rows, stats_rows(rows), root / "benchmarks", root / "tables/benchmark_stats.csv", {"seed": 1})
+    (root / "retrieval").mkdir()
+    (root / "retrieval/recall_hits.csv").write_text(  # nq 2 of 3 in the top 5; hotpotqa any 2, all 1 of 2 in 10
+        "dataset,qid,k,any,all\r\nnq,a,5,1,1\r\nnq,b,5,0,0\r\nnq,c,5,1,1\r\nhotpotqa,d,10,1,0\r\nhotpotqa,e,10,1,1\r\n")
+    (root / "tables/retrieval_recall.csv").write_text(
+        "dataset,metric,k,hits,total\r\nnq,answer_in_topk,5,2,3\r\nhotpotqa,support_any_in_topk,10,2,2\r\n"
+        "hotpotqa,support_all_in_topk,10,1,2\r\n")
+    rng = random.Random(0)
+    pool = [rng.randrange(512) for _ in range(4000)]
+    (root / "audit").mkdir()
+    save_episodes(root / "audit/episodes.parquet", [random_episode(rng, pool, RULES[i], 3, 12, (4, 16), (3, 10),
+                                                                   task_id=f"a{i}") for i in range(2)])
+    tiny_lm.save_pretrained(root / "models/student_sft")
+    main(["audit", "alignment", "--cfg", json.dumps(AUDIT_SCORING), "--model", str(root / "models/student_sft"),
+          "--episodes", str(root / "audit/episodes.parquet"), "--out", str(root / "tables/alignment_audit.csv")])
+
+
+AUDIT_SCORING = {"dtype": "float32", "clip": 0.2, "backends": ["sdpa", "eager"]}
+TABLES_KEPT = {"sft_models": SFT, "sft_reference": "student_sft", "sft_benchmark": "q2_test",
+               "benchmark_sets": ["q2_train", "q2_test", "q4_test"], "audit": AUDIT_SCORING}
+
+
+def test_every_table_of_a_run_rebuilds_from_its_archive_or_there_is_no_archive(tmp_path, monkeypatch, capsys,
+                                                                               tiny_lm):
+    """--tables keeps what the SFT summary, benchmark, recall and alignment tables read; the archive stands only when
+    every table it rebuilds equals the run's byte for byte (here 18 files); from-archive then rebuilds them with
+    nothing else left. A run table that differs leaves no archive, exit 2, the table named in one line."""
+    monkeypatch.setenv("MEMOPD_LABEL", LABEL)
+    res = tmp_path / "results"
+    _results(res)
+    _tables_from_results(res, res)
+    _sft_results(res)
+    main(["report", "sft", "--names", *SFT, "--heldout", *[str(res / f"sft/heldout_{m}.json") for m in SFT],
+          "--eval", *[str(res / f"eval/{m}/q2_test.json") for m in SFT],
+          "--info", *[str(res / f"models/{m}/memopd_model.json") for m in SFT], "--out", str(res / "tables/sft_summary.csv")])
+    _other_tables(res, tiny_lm)
+    args = ["report", "archive", "--cfg", json.dumps(TRAIN), "--reward", "f1", "--eval-dir", str(res / "eval"),
+            "--train-dir", str(res / "train"), "--out", str(tmp_path / "archive"), "--results", str(res)]
+    main([*args, "--tables", json.dumps(TABLES_KEPT)])
+    assert "byte for byte: 16 of the run's tables" in capsys.readouterr().out
+    m = read_archive(tmp_path / "archive")
+    assert m["tables"] == TABLES_KEPT and "eval/student_init/q2_test.csv" in m["files"]
+    assert {"sft/teacher_sft/heldout.json", "benchmarks/q4_test.csv.gz", "retrieval/recall_hits.csv",
+            "audit/alignment_audit.json"} <= set(m["files"])
+    shutil.copytree(res / "tables", tmp_path / "run_tables")
+    (res / "tables/sft_summary.md").write_text((res / "tables/sft_summary.md").read_text() + " ")
+    with pytest.raises(SystemExit) as e:
+        main([*args[:-4], "--out", str(tmp_path / "archive2"), "--results", str(res), "--tables",
+              json.dumps(TABLES_KEPT)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and "sft_summary.md rebuilt from the archive differs" in err
+    assert not (tmp_path / "archive2" / MANIFEST).exists()
+    shutil.rmtree(res)
+    monkeypatch.delenv("MEMOPD_LABEL")
+    main(["report", "from-archive", "--archive", str(tmp_path / "archive"), "--out-dir", str(tmp_path / "rebuilt")])
+    run = sorted(p.name for p in (tmp_path / "run_tables").iterdir())
+    assert len(run) == 16 and run == sorted(p.name for p in (tmp_path / "rebuilt/tables").iterdir())
+    for name in run:
+        assert (tmp_path / "rebuilt/tables" / name).read_bytes() == (tmp_path / "run_tables" / name).read_bytes(), name

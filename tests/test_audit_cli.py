@@ -183,6 +183,29 @@ def test_packing_efficiency_with_activation_checkpointing(run, tmp_path):
         tmp_path / "p.md").read_text()
 
 
+def test_the_alignment_table_rebuilds_from_what_an_archive_keeps(run, tmp_path):
+    """An archive keeps the audit's rows as its table holds them, the device and the episodes' record
+    (memopd.report.archived_tables): the table rebuilt from that alone is the audit's, byte for byte; the flex note
+    of the caption follows the device the rows were scored on, not the machine that rebuilds them."""
+    from memopd.report.archived_tables import keep_alignment, rebuild_alignment
+
+    keep_alignment(run / "tables/alignment_audit.csv", run / "episodes.parquet", tmp_path / "archive")
+    rebuild_alignment(AUDIT, tmp_path / "archive", tmp_path / "alignment_audit.csv")
+    for ext in ("csv", "md"):
+        assert (tmp_path / f"alignment_audit.{ext}").read_bytes() == (run / f"tables/alignment_audit.{ext}").read_bytes()
+    kept = tmp_path / "archive/audit/alignment_audit.json"
+    record = json.loads(kept.read_text())
+    table = _csv(run / "tables/alignment_audit.csv")  # each value kept as the audit's type: bool, int, float
+    assert [r["at_floor"] for r in record["rows"]] == [r["at_floor"] == "True" for r in table]
+    assert [r["top1_changes"] for r in record["rows"]] == [int(r["top1_changes"]) for r in table]
+    assert all(type(r["max_abs_dlogp"]) is float for r in record["rows"])
+    for device, note in (("cpu", True), ("cuda", False)):
+        kept.write_text(json.dumps({**record, "device": device}))
+        rebuild_alignment({**AUDIT, "backends": [*BACKENDS, "flex"]}, tmp_path / "archive", tmp_path / "a.csv")
+        caption = (tmp_path / "a.md").read_text().splitlines()[0]
+        assert f"scored in float32 on {device} (" in caption and ("flex on CPU" in caption) == note
+
+
 TABLES = ["alignment_audit", "state_corruption", "teacher_divergence", "action_domain", "context_updates",
           "packing_efficiency"]
 

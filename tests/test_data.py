@@ -1,5 +1,6 @@
 """Data loaders on the committed samples, benchmark composition, and the bad-input errors."""
 import copy
+import csv
 import gzip
 import json
 from pathlib import Path
@@ -284,3 +285,19 @@ def test_keys_left_out_take_the_defaults_the_config_documents(bench_cfg, compose
         for e in entries:
             e.setdefault("pool", "split")
     assert compose(BenchmarksConfig.from_dict(cfg), DATA, seed=1234, log=lambda *a: None) == composed
+
+
+def test_the_benchmark_statistics_rebuild_from_each_tasks_sources_alone(composed, tmp_path):
+    """What an archive keeps of the benchmarks (per task: id, qids, sources; memopd.report.archived_tables) rebuilds
+    the statistics CSV the benchmark step wrote, byte for byte, in the config's order of sets."""
+    from memopd.report.archived_tables import keep_tasks, rebuild_benchmarks
+
+    rows, stats = composed
+    write(rows, stats, tmp_path / "out", tmp_path / "stats.csv", {"seed": 1234})
+    for name in rows:
+        keep_tasks(tmp_path / "out" / f"{name}.parquet", tmp_path / "archive")
+    rebuild_benchmarks(list(rows), tmp_path / "archive", tmp_path / "rebuilt.csv")
+    assert (tmp_path / "rebuilt.csv").read_bytes() == (tmp_path / "stats.csv").read_bytes()
+    with gzip.open(tmp_path / "archive/benchmarks/q2_train.csv.gz", "rt") as f:
+        kept = list(csv.DictReader(f))
+    assert [(k["task_id"], k["qids"].split()) for k in kept] == [(t["task_id"], t["qids"]) for t in rows["q2_train"]]

@@ -1,4 +1,5 @@
 """Retrieval: corpus (de-dup, stable ids), the real bm25s index, the interface, recall, dense e5 path."""
+import csv
 import json
 import os
 from pathlib import Path
@@ -11,7 +12,7 @@ from memopd.data.loaders import MissingDataError, load_qa
 from memopd.retrieval import Hit, format_passages, load_retriever
 from memopd.retrieval.bm25 import BM25Retriever, build_index
 from memopd.retrieval.corpus import build_corpus, read_corpus
-from memopd.retrieval.recall import answer_in_passage, recall_rows, sample_questions
+from memopd.retrieval.recall import answer_in_passage, recall_hits, recall_table, sample_questions
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"
@@ -126,11 +127,41 @@ def test_recall_on_a_sample_beats_plain_bm25_level(retrieval_cfg, embedded_index
     plain BM25 reaches 86% / 99% / 69%, the configured index 90% / 99.5% / 72%)."""
     r = load_retriever(embedded_index[0] / "index")
     qs = sample_questions(retrieval_cfg["recall"]["sources"], DATA, 100, seed=3)
-    rows = {(x["dataset"], x["metric"]): x for x in recall_rows(r, qs)}
+    rows = {(x["dataset"], x["metric"]): x for x in recall_table(recall_hits(r, qs))}
     assert rows[("nq", "answer_in_topk")]["total"] == 100 and rows[("nq", "answer_in_topk")]["k"] == 5
     assert rows[("nq", "answer_in_topk")]["hits"] >= 80
     assert rows[("hotpotqa", "support_any_in_topk")]["hits"] >= 95
     assert 55 <= rows[("hotpotqa", "support_all_in_topk")]["hits"] <= rows[("hotpotqa", "support_any_in_topk")]["hits"]
+
+
+def test_each_questions_hit_is_its_own_search_and_the_figures_rebuild_from_them(retrieval_cfg, embedded_index,
+                                                                                   tmp_path):
+    """`retrieval recall --hits`: each sampled question's hit is what a search of that question alone finds (the
+    answer in a top-5 passage; a supporting title among the top 10), and the figures an archive rebuilds from the
+    hits alone (memopd.report.archived_tables) are the step's CSV byte for byte."""
+    from memopd.cli import main
+    from memopd.report.archived_tables import keep_recall, rebuild_recall
+
+    cfg = {**retrieval_cfg, "recall": {**retrieval_cfg["recall"], "questions": 40, "timing_queries": 4}}
+    main(["retrieval", "recall", "--cfg", json.dumps(cfg), "--seed", "3", "--index", str(embedded_index[0] / "index"),
+          "--data-dir", str(DATA), "--out", str(tmp_path / "recall.csv"), "--timing", str(tmp_path / "timing.csv"),
+          "--hits", str(tmp_path / "hits.csv")])
+    with open(tmp_path / "hits.csv") as f:
+        hits = {(h["dataset"], h["qid"]): h for h in csv.DictReader(f)}
+    r = load_retriever(embedded_index[0] / "index")
+    qs = sample_questions(cfg["recall"]["sources"], DATA, 40, seed=3)
+    assert len(hits) == sum(len(v) for v in qs.values()) == 80
+    for q in qs["nq"]:
+        found = any(answer_in_passage(q.answers, h) for h in r.search([q.question], 5)[0])
+        assert hits[("nq", q.qid)]["any"] == hits[("nq", q.qid)]["all"] == str(int(found))
+    for q in qs["hotpotqa"]:
+        titles = {h.title for h in r.search([q.question], 10)[0]}
+        found = [t in titles for t in q.evidence_titles]
+        assert (hits[("hotpotqa", q.qid)]["any"], hits[("hotpotqa", q.qid)]["all"]) == (str(int(any(found))),
+                                                                                      str(int(all(found))))
+    keep_recall(tmp_path / "hits.csv", tmp_path / "archive")
+    rebuild_recall(tmp_path / "archive", tmp_path / "rebuilt.csv")
+    assert (tmp_path / "rebuilt.csv").read_bytes() == (tmp_path / "recall.csv").read_bytes()
 
 
 # ---------------------------------------------------------------------------------------------- dense

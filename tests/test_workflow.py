@@ -187,8 +187,8 @@ def test_every_output_of_rule_study_is_written_by_the_nested_workflow(tmp_path):
     # write the declared files, never one whose other outputs later nested jobs read (the benchmarks' job)
     read = {p for b in jobs for p in b.get("input", "").split(", ") if p}
     for out in outputs:
-        if out & declared:
-            assert not out & read, sorted(out & read)
+        if out & declared:  # its declared outputs may be read (rule archive checks the tables): they rerun anyway
+            assert not (out - declared) & read, sorted((out - declared) & read)
 
 
 def test_the_documented_study_command_gives_the_nested_workflow_both_cores():

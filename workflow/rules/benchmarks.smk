@@ -150,6 +150,7 @@ rule retrieval_recall:
                       category=REPORT_BENCHMARKS, subcategory="retrieval"),
         timing=report("results/tables/retrieval_timing.csv", caption=caption("retrieval_timing"),
                       category=REPORT_EFFICIENCY, subcategory="retrieval"),
+        hits="results/retrieval/recall_hits.csv",  # each sampled question's hit: what rule archive keeps
     params:
         code=code("retrieval recall"),
         memopd=MEMOPD,
@@ -167,4 +168,4 @@ rule retrieval_recall:
         ENV_CPU
     shell:
         "{params.memopd} retrieval recall --cfg {params.cfg:q} --seed {params.seed} --index {input.index} "
-        "--data-dir {params.data_dir} --out {output.recall} --timing {output.timing} > {log} 2>&1"
+        "--data-dir {params.data_dir} --out {output.recall} --timing {output.timing} --hits {output.hits} > {log} 2>&1"

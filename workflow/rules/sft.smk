@@ -224,13 +224,14 @@ rule bench_sft:
 # the RL student (train.student) too when it is a snapshot of an SFT chain
 SFT_MODELS = ["student_init", "student_sft", "teacher_sft"]
 SFT_MODELS += [m for m in [RUNS.student] if m not in SFT_MODELS]
+SFT_REFERENCE, SFT_BENCHMARK = "student_sft", "q2_test"  # the summary's rows are compared with the SFT student on it
 
 
 rule sft_summary:
     input:
         heldout=expand("results/sft/heldout_{name}.json", name=SFT_MODELS),
-        evals=expand("results/eval/{name}/q2_test.json", name=SFT_MODELS),
-        tasks=expand("results/eval/{name}/q2_test.csv", name=SFT_MODELS),  # per task: the paired intervals
+        evals=expand("results/eval/{name}/{bench}.json", name=SFT_MODELS, bench=SFT_BENCHMARK),
+        tasks=expand("results/eval/{name}/{bench}.csv", name=SFT_MODELS, bench=SFT_BENCHMARK),  # the paired intervals
         info=expand("results/models/{name}/model.safetensors", name=SFT_MODELS),
     output:
         csv=report("results/tables/sft_summary.csv", caption=caption("sft_summary"), category=REPORT_SFT,
@@ -240,6 +241,7 @@ rule sft_summary:
         code=code("report sft"),
         memopd=MEMOPD,
         names=SFT_MODELS,
+        reference=SFT_REFERENCE,
         info=lambda w, input: [os.path.join(os.path.dirname(p), "memopd_model.json") for p in input.info],
     log:
         f"{LOGS}/sft_summary.log",
@@ -252,7 +254,7 @@ rule sft_summary:
         ENV_CPU
     shell:
         "{params.memopd} report sft --names {params.names} --heldout {input.heldout} --eval {input.evals} "
-        "--info {params.info} --out {output.csv} > {log} 2>&1"
+        "--info {params.info} --reference {params.reference} --out {output.csv} > {log} 2>&1"
 
 
 # Design D of the controlled study (memopd.study.chain): the RL student chosen along the SFT chain's snapshots

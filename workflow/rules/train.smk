@@ -177,13 +177,29 @@ if config.get("claims"):
             "{params.memopd} study claims --cfg {params.cfg:q} --eval-dir results/eval --out {output.csv} > {log} 2>&1"
 
 
+# What the archive keeps of the SFT summary, benchmark, recall and alignment tables
+# (memopd.report.archived_tables.ArchivedTables), and the run's tables its rebuild is compared with.
+ARCHIVED_TABLES = {"sft_models": SFT_MODELS, "sft_reference": SFT_REFERENCE, "sft_benchmark": SFT_BENCHMARK,
+                   "benchmark_sets": [ts.name for ts in task_sets(BENCHMARKS)],
+                   "audit": {k: AUDIT[k] for k in ("dtype", "clip", "backends")}}
+# (one table of each job: the job writes its other tables with it)
+ARCHIVE_CHECKED = [rules.results_tables.output.multi, rules.matched_control.output.csv,
+                   rules.training_curves.output.table, rules.sft_summary.output.csv, rules.audit_alignment.output.csv,
+                   rules.benchmarks.output.stats, rules.retrieval_recall.output.recall,
+                   *([rules.claims.output.csv] if config.get("claims") else []),
+                   *([rules.sft_chain.output.json] if SFT_SNAPSHOTS else [])]
+
+
 rule archive:
-    # what the result tables read (every run's evaluations and training metrics, the SFT models' evaluations), small
-    # enough to commit: `memopd report from-archive --archive results/archive --out-dir DIR` rebuilds the tables
+    # what the result tables read (every run's evaluations and training metrics, the SFT models' evaluations, the
+    # inputs of the SFT summary, benchmark, recall and alignment tables), small enough to commit:
+    # `memopd report from-archive --archive results/archive --out-dir DIR` rebuilds the tables
     input:
         evals=[f"results/eval/{model}/{bench}.json" for model, bench in ARCHIVE_EVALS],
         chain=[f"results/eval/{model}/{bench}.json" for model, bench in chain_evals(CHAIN)],
         metrics=[f"results/train/{method}/seed{seed}/metrics.jsonl" for method, seed in ARCHIVE_RUNS],
+        kept=[*rules.sft_summary.input, *BENCHMARK_FILES, rules.retrieval_recall.output.hits, AUDIT_EPISODES],
+        checked=ARCHIVE_CHECKED,
     output:
         manifest="results/archive/archive.json",
     params:
@@ -193,6 +209,7 @@ rule archive:
         reward=config["agent"]["reward"],
         claims=json.dumps(config.get("claims") or {}, sort_keys=True),
         chain=json.dumps(CHAIN, sort_keys=True),
+        tables=json.dumps(ARCHIVED_TABLES, sort_keys=True),
     log:
         f"{LOGS}/archive.log",
     benchmark:
@@ -204,5 +221,5 @@ rule archive:
         ENV_CPU
     shell:
         "{params.memopd} report archive --cfg {params.cfg:q} --reward {params.reward} --claims {params.claims:q} "
-        "--chain {params.chain:q} "
+        "--chain {params.chain:q} --tables {params.tables:q} --results results "
         "--eval-dir results/eval --train-dir results/train --out results/archive > {log} 2>&1"

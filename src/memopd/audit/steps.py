@@ -117,10 +117,10 @@ def _load(model_dir: str, dtype: str):
     return load_model(model_dir, dtype=dtype, device=_device())
 
 
-def _flex_note(backends) -> str:
-    """What `flex` means where it ran: on CPU it is compiled per sequence length up to torch's recompile
+def _flex_note(backends, device: str) -> str:
+    """What `flex` means where it ran (`device`): on CPU it is compiled per sequence length up to torch's recompile
     limit, then runs unfused (same BlockMask semantics), and has no backward."""
-    if "flex" not in backends or torch.cuda.is_available():
+    if "flex" not in backends or device != "cpu":
         return ""
     return ("; flex on CPU: compiled per sequence length up to torch's recompile limit, unfused "
             "flex_attention (same BlockMask) beyond it, forward only")
@@ -137,12 +137,20 @@ def alignment_step(cfg: AuditScoring, model_dir: str, episodes_path: str, out: s
     """Table 3: persistent history, batched independent calls and every packed backend vs each call run
     alone, at the sampled action tokens."""
     from memopd.audit.alignment import state_rows
-    from memopd.rce import tolerances
 
     episodes, meta = read_episodes(episodes_path)
     model = _load(model_dir, cfg.dtype)
     states = ["persistent_history", "independent_batched"] + [f"packed_{b}" for b in list(cfg.backends)]
     rows = state_rows(model, episodes, states, clip=cfg.clip, dtype=cfg.dtype)
+    alignment_table(rows, cfg, _device(), meta, out)
+    return rows
+
+
+def alignment_table(rows: list[dict], cfg: AuditScoring, device: str, meta: dict, out: str | Path) -> None:
+    """Table 3 of the audit's rows (memopd.audit.alignment.state_rows) as scored on `device`, of the episodes
+    `meta` describes (read_episodes): its CSV, and its Markdown with the caption and the finding."""
+    from memopd.rce import tolerances
+
     tol = tolerances(cfg.dtype)["dlogp"]  # this table scores the sampled tokens only (the |d log p| column)
     r = {x["state"]: x for x in rows}
     packed = [x for x in rows if x["state"].startswith("packed_")]
@@ -160,10 +168,10 @@ def alignment_step(cfg: AuditScoring, model_dir: str, episodes_path: str, out: s
     caption = (f"Alignment audit: |d log p| of the sampled action tokens vs each call run alone "
                f"(p99, max, mean over tokens), top-1 changes at action positions, false PPO clip rate "
                f"(ratio outside [1-{cfg.clip}, 1+{cfg.clip}] with identical weights). Model {meta['model']} "
-               f"scored in {cfg.dtype} on {_device()} (packed rows: backend named{_flex_note(list(cfg.backends))}; "
-               f"persistent history and references: sdpa); episodes: {describe(meta)}.")
+               f"scored in {cfg.dtype} on {device} (packed rows: backend named"
+               f"{_flex_note(list(cfg.backends), device)}; persistent history and references: sdpa); episodes: "
+               f"{describe(meta)}.")
     write_table(rows, out, caption, notes=notes)
-    return rows
 
 
 def state_corruption_step(cfg: AuditScoring, model_dir: str, episodes_path: str, out: str) -> list[dict]:
@@ -315,7 +323,8 @@ def context_updates_step(cfg: AuditScoring, model_dir: str, episode_paths: list[
     m = metas[0]
     caption = (f"Context updates: RCE (packed vs each call run alone) per memory-rewrite rule and backend; passed = "
                f"{gate} ({cfg.dtype} tolerances). Model "
-               f"{Path(model_dir).name} scored in {cfg.dtype} on {_device()}{_flex_note(list(cfg.backends))}; "
+               f"{Path(model_dir).name} scored in {cfg.dtype} on {_device()}"
+               f"{_flex_note(list(cfg.backends), _device())}; "
                f"per rule: "
                f"{m['episodes']} {m['benchmark']} trajectories rolled out by {m['model']} (invalid_action "
                f"{m.get('invalid_action', '?')}, temperature {m.get('temperature', '?')}, max_new_tokens "
@@ -361,7 +370,7 @@ def packing_step(pk: PackingAudit, audit_backends, model_dir: str, episodes_path
                f"ratio, and each path's RCE error vs calls run one by one (max |d log p| of the sampled tokens, "
                f"full-vocabulary max |d logit|; exact: <= {tol['dlogp']:g} and <= {tol['dlogit']:g}, the float32 "
                f"tolerances). float32 on {_device()}, "
-               f"{torch.get_num_threads()} torch thread(s){_flex_note(backends)}. Synthetic: {sweep}, "
+               f"{torch.get_num_threads()} torch thread(s){_flex_note(backends, _device())}. Synthetic: {sweep}, "
                f"full-retention episodes of {syn['episodes']} episode(s), ~{syn['observation_tokens']}+"
                f"{syn['response_tokens']} context and {syn['response_tokens']} response tokens per call, tiny Qwen2 "
                f"(hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, vocab {m['vocab_size']}). Real: the "

@@ -282,8 +282,6 @@ def write(rows_by_set: dict[str, list[dict]], stats: list[dict], out_dir: str | 
     """All parquet files + the stats CSV, each written to a temporary name and renamed only when every
     file has been written (no partial output on failure). `record` (the config) goes into the parquet
     metadata under b'memopd'."""
-    import csv
-
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -298,10 +296,17 @@ def write(rows_by_set: dict[str, list[dict]], stats: list[dict], out_dir: str | 
             table = pa.Table.from_pylist(rows, schema=_schema()).replace_schema_metadata(meta)
             pq.write_table(table, tmp)
         with open(tmps[-1], "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=["benchmark", "split", "source", "tasks", "questions"])
-            w.writeheader()
-            w.writerows(stats)
+            write_stats(f, stats)
     return final
+
+
+def write_stats(f, stats: list[dict]) -> None:
+    """The statistics rows (stats_rows) as the benchmark statistics CSV, to the open text file `f`."""
+    import csv
+
+    w = csv.DictWriter(f, fieldnames=["benchmark", "split", "source", "tasks", "questions"])
+    w.writeheader()
+    w.writerows(stats)
 
 
 def _schema():

@@ -3,15 +3,19 @@
 control's runs too), with the config, label and commit they came from. Tables 1-2, vs_student, the matched control and the training-curve table rebuild from it alone
 (`memopd report from-archive`), without rerunning anything; so does the claims table when the run declares its
 claims (config `claims`, kept in the manifest), and the SFT chain's table when the run chose its student along
-the chain (`chain`: its models, teacher and evaluations, kept in the manifest with those evaluations).
+the chain (`chain`: its models, teacher and evaluations, kept in the manifest with those evaluations), and the SFT
+summary, benchmark statistics, retrieval recall and alignment audit when it names their inputs (`tables`).
 
 Layout (the results/ layout, so the report commands read it unchanged):
     archive.json                                  manifest: format, commit, created, the `train` config, the reward,
-                                                  the run's label (captions), its `claims` and `chain` (or null),
-                                                  every file with its SHA-256
+                                                  the run's label (captions), its `claims`, `chain` and `tables` (or
+                                                  null), every file with its SHA-256
     eval/{model}/{benchmark}.json                 the evaluation's scalar scores (its nested config and timings left out)
     eval/{model}/{benchmark}.csv                  per task: task_id, em, f1
     train/{method}/seed{seed}/metrics.jsonl.gz    every logged step, line for line (gzip without a timestamp)
+    sft/, benchmarks/, retrieval/, audit/         what the SFT summary, benchmark statistics, retrieval recall and
+                                                  alignment audit tables read (memopd.report.archived_tables), when
+                                                  the manifest's `tables` names it
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from pathlib import Path
 from memopd.config import TrainRuns
 from memopd.inputs import ConfigError
 from memopd.outputs import write_json
+from memopd.report.archived_tables import KEPT, ArchivedTables, keep
 
 FORMAT = 1
 MANIFEST = "archive.json"
@@ -92,20 +97,24 @@ def chain_evals(chain: dict | None) -> list[tuple[str, str]]:
 
 
 def write_archive(train: dict, reward: str, eval_dir: str | Path, train_dir: str | Path, out: str | Path,
-                  commit: str, label: str = "", claims: dict | None = None, chain: dict | None = None) -> dict:
+                  commit: str, label: str = "", claims: dict | None = None, chain: dict | None = None,
+                  tables: ArchivedTables | None = None, results: str | Path | None = None) -> dict:
     """Copy what `contents` names of the `train` section's runs from `eval_dir` / `train_dir` into `out` (replacing its eval/ and train/)
     and write its manifest (last, so an interrupted archive has none). A missing file is named before anything is
     written. `label`: the run's label, which prefixes its captions (memopd.outputs.LABEL_VAR); `claims`: the config
     section the claims table reads (its short and long horizons among train.horizons, so archived); `chain`: what the
-    SFT chain's table reads (memopd.study.commands.chain_config), its evaluations archived too."""
+    SFT chain's table reads (memopd.study.commands.chain_config), its evaluations archived too; `tables`: what the
+    SFT summary, benchmark, recall and alignment tables read, kept from the run's `results` folder
+    (memopd.report.archived_tables)."""
     eval_dir, train_dir, out = Path(eval_dir), Path(train_dir), Path(out)
     typed = TrainRuns.from_section(train)  # the manifest keeps the section as written
     evals, runs = contents(typed)
-    evals = list(dict.fromkeys(evals + chain_evals(chain)))
+    evals = list(dict.fromkeys(evals + chain_evals(chain) + (tables.evals() if tables else [])))
     if claims and (outside := [claims[k] for k in ("short", "long") if claims[k] not in typed.horizons]):
         raise ConfigError(f"claims: {outside[0]!r} is not a horizon of train.horizons, so not archived")
     sources = [eval_dir / m / f"{b}{ext}" for m, b in evals for ext in (".json", ".csv")]
     sources += [train_dir / m / f"seed{s}" / "metrics.jsonl" for m, s in runs]
+    sources += tables.sources(Path(results)) if tables else []
     missing = [str(p) for p in sources if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"cannot archive: {len(missing)} missing, e.g. {missing[0]}")
@@ -113,7 +122,7 @@ def write_archive(train: dict, reward: str, eval_dir: str | Path, train_dir: str
         if out.resolve() in d.resolve().parents:
             raise ValueError(f"the archive {out} would replace {d}, which it archives: write it elsewhere")
     (out / MANIFEST).unlink(missing_ok=True)
-    for old in ("eval", "train"):  # an earlier archive's runs are not this one's
+    for old in ("eval", "train", *KEPT):  # an earlier archive's runs are not this one's
         shutil.rmtree(out / old, ignore_errors=True)
     files = []
     for model, bench in evals:
@@ -129,9 +138,11 @@ def write_archive(train: dict, reward: str, eval_dir: str | Path, train_dir: str
         with gzip.GzipFile(d / "metrics.jsonl.gz", "wb", mtime=0) as f:  # no timestamp: the same runs, the same bytes
             f.write((train_dir / method / f"seed{seed}" / "metrics.jsonl").read_bytes())
         files.append(d / "metrics.jsonl.gz")
+    files += keep(tables, results, out) if tables else []
     files.sort()
     manifest = {"format": FORMAT, "commit": commit, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"), "train": train, "reward": reward, "label": label, "claims": claims, "chain": chain,
+                "tables": tables.to_dict() if tables else None,
                 "files": {str(p.relative_to(out)): _sha256(p) for p in files}}
     write_json(out / MANIFEST, manifest)
     return manifest

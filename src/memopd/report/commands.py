@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memopd.config import TrainRuns
-from memopd.inputs import existing, parse_cfg
+from memopd.inputs import UsageError, existing, parse_cfg
 from memopd.outputs import print_table, write_table
 
 
@@ -114,37 +114,75 @@ def curves_table(train: TrainRuns | None, metrics: list, figure: str | Path, tab
 
 
 def cmd_report_archive(args, cfg):
-    """An archive of the runs' evaluations and training metrics (memopd.report.archive), to commit."""
+    """An archive of the runs' evaluations and training metrics (memopd.report.archive), to commit; with --tables,
+    also what the SFT summary, benchmark, recall and alignment tables read. With --results, every table the archive
+    rebuilds is compared with the run's own (--results/tables) before the archive stands."""
     import os
 
-    from memopd.report.archive import git_commit, write_archive
+    from memopd.report.archive import MANIFEST, git_commit, write_archive
+    from memopd.report.archived_tables import ArchivedTables
     from memopd.outputs import LABEL_VAR
 
+    spec = parse_cfg(args.tables, "--tables")
+    if spec and not args.results:
+        raise UsageError("--tables reads the run's outputs: give its results folder (--results)")
     m = write_archive(cfg, args.reward, args.eval_dir, args.train_dir, args.out, git_commit(Path(__file__).parent),
                       os.environ.get(LABEL_VAR, ""), parse_cfg(args.claims, "--claims") or None,
-                      parse_cfg(args.chain, "--chain") or None)
+                      parse_cfg(args.chain, "--chain") or None, ArchivedTables.from_dict(spec) if spec else None,
+                      args.results)
     print(f"{len(m['files'])} files, commit {m['commit']} -> {args.out}")
+    if args.results:
+        try:
+            same = _same_tables(args.out, Path(args.results) / "tables")
+        except UsageError:
+            (Path(args.out) / MANIFEST).unlink()  # no archive of this run
+            raise
+        print(f"rebuilt from the archive alone, byte for byte: {len(same)} of the run's tables ({', '.join(same)})")
+
+
+def _same_tables(archive: str | Path, run_tables: Path) -> list[str]:
+    """The archive's tables rebuilt in a scratch folder, each compared with the run's file of that name; the first
+    that differs is named (UsageError). Returns the names compared."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rebuild_archive(archive, tmp)
+        same = []
+        for f in sorted((Path(tmp) / "tables").iterdir()):
+            if (run_tables / f.name).is_file():
+                if f.read_bytes() != (run_tables / f.name).read_bytes():
+                    raise UsageError(f"{f.name} rebuilt from the archive differs from the run's {run_tables / f.name}")
+                same.append(f.name)
+    return same
 
 
 def cmd_report_from_archive(args, cfg):
     """Tables 1-2, vs_student, the F1-vs-horizon figure, the matched control, the training-curve table, the claims
-    table (when the run declared its claims) and the SFT chain's (when it chose its student on the chain) from an
-    archive alone (its files checked against their SHA-256
-    first), captioned with the run's label."""
+    table (when the run declared its claims), the SFT chain's (when it chose its student on the chain) and the SFT
+    summary, benchmark, recall and alignment tables (when it kept their inputs) from an archive alone (its files
+    checked against their SHA-256 first), captioned with the run's label."""
+    manifest = rebuild_archive(args.archive, args.out_dir)
+    print(f"archive {args.archive} (commit {manifest['commit']}, {manifest['created']}) -> {args.out_dir}/tables, "
+          f"{args.out_dir}/figures")
+
+
+def rebuild_archive(archive: str | Path, out_dir: str | Path) -> dict:
+    """cmd_report_from_archive's tables and figures of the archive at `archive` under `out_dir`; returns its
+    manifest."""
     import os
 
     from memopd.report.archive import metrics_files, read_archive
     from memopd.report.results import matched_control_table
     from memopd.outputs import LABEL_VAR
 
-    manifest = read_archive(args.archive)
-    train, out, eval_dir = TrainRuns.from_section(manifest["train"]), Path(args.out_dir), Path(args.archive) / "eval"
+    manifest = read_archive(archive)
+    train, out, eval_dir = TrainRuns.from_section(manifest["train"]), Path(out_dir), Path(archive) / "eval"
     before = os.environ.get(LABEL_VAR)
     os.environ[LABEL_VAR] = manifest["label"]  # the archived run's captions, whatever this shell's label
     try:
         results_tables(train, eval_dir, out / "tables", out / "figures" / "f1_vs_horizon.png")
         matched_control_table(train, eval_dir, out / "tables" / "matched_control.csv")
-        curves_table(train, metrics_files(args.archive, train), out / "figures" / "training_curves.png",
+        curves_table(train, metrics_files(archive, train), out / "figures" / "training_curves.png",
                      out / "tables" / "training_curves.csv", manifest["reward"])
         if manifest.get("claims"):
             from memopd.config import ClaimsConfig
@@ -155,12 +193,16 @@ def cmd_report_from_archive(args, cfg):
             from memopd.study.commands import chain_table
 
             chain_table(manifest["chain"], eval_dir, out / "tables" / "sft_chain.json")
+        if manifest.get("tables"):
+            from memopd.report.archived_tables import ArchivedTables, rebuild
+
+            rebuild(ArchivedTables.from_dict(manifest["tables"]), archive, out / "tables")
     finally:
         if before is None:
             os.environ.pop(LABEL_VAR, None)
         else:
             os.environ[LABEL_VAR] = before
-    print(f"archive {args.archive} (commit {manifest['commit']}, {manifest['created']}) -> {out}/tables, {out}/figures")
+    return manifest
 
 
 def register(cli) -> None:
@@ -181,8 +223,16 @@ def register(cli) -> None:
     sp.add_argument("--claims", default="{}", help="JSON of config `claims` (the claims table's), kept in the manifest")
     sp.add_argument("--chain", default="{}", help="JSON of the SFT chain's table (models, teacher, benchmarks): its "
                     "evaluations archived, the JSON kept in the manifest")
-    sp = cli.add("report from-archive", cmd_report_from_archive, "Tables 1-2, vs_student, the matched control and "
-                 "the training-curve table from an archive alone (written by `report archive`)")
+    sp.add_argument("--tables", default="{}", help="JSON of what the SFT summary, benchmark, recall and alignment "
+                    "tables read (memopd.report.archived_tables.ArchivedTables: sft_models, sft_reference, "
+                    "sft_benchmark, benchmark_sets, audit): their inputs archived from --results, then every table the "
+                    "archive rebuilds compared with the run's --results/tables")
+    sp.add_argument("--results", help="the run's results folder: what --tables reads, and its tables/, which the "
+                    "tables the archive rebuilds must equal byte for byte (else no archive, exit 2)")
+    sp = cli.add("report from-archive", cmd_report_from_archive, "every table an archive keeps the inputs of (Tables "
+                 "1-2, vs_student, the matched control, the training curves; the claims, SFT chain, SFT summary, "
+                 "benchmark, recall and alignment tables when kept) from the archive alone (written by `report "
+                 "archive`)")
     sp.add_argument("--archive", required=True, help="the archive's folder")
     sp.add_argument("--out-dir", required=True, help="writes {out-dir}/tables/*.csv|md and {out-dir}/figures/*.png")
     sp = cli.add("report sft", cmd_report_sft, "the SFT summary table")

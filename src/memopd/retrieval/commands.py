@@ -28,7 +28,7 @@ def cmd_retrieval_recall(args, cfg: dict):
     section(cfg, "recall", "sources")
     typed = RetrievalConfig.from_dict(cfg)
     existing(args.index, args.data_dir)
-    recall_step(typed, args.index, args.data_dir, args.seed, args.out, args.timing)
+    recall_step(typed, args.index, args.data_dir, args.seed, args.out, args.timing, args.hits)
 
 
 def cmd_retrieval_search(args, cfg):
@@ -61,6 +61,8 @@ def register(cli) -> None:
     sp.add_argument("--data-dir", default="data")
     sp.add_argument("--out", required=True, help="CSV: dataset, metric, k, hits, total")
     sp.add_argument("--timing", required=True, help="CSV: build and query seconds")
+    sp.add_argument("--hits", help="CSV: each sampled question's hit (dataset, qid, k, any, all), which an archive "
+                    "keeps to rebuild the figures")
     sp = cli.add("retrieval search", cmd_retrieval_search, "print the top passages for queries, as the agent sees them")
     sp.add_argument("--index", default="results/retrieval/index")
     sp.add_argument("-k", type=int, default=3)

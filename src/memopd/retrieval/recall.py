@@ -17,6 +17,7 @@ from memopd.metrics import normalize_answer
 from memopd.retrieval.base import Hit, Retriever
 
 RECALL_COLUMNS = ("dataset", "metric", "k", "hits", "total")
+HITS_COLUMNS = ("dataset", "qid", "k", "any", "all")
 
 
 def answer_in_passage(answers, hit: Hit) -> bool:
@@ -41,23 +42,33 @@ def sample_questions(entries: list[dict], data_dir: str | Path, n: int | None, s
     return out
 
 
-def recall_rows(retriever: Retriever, questions: dict[str, list[QA]], nq_k: int = 5, hotpot_k: int = 10,
+def recall_hits(retriever: Retriever, questions: dict[str, list[QA]], nq_k: int = 5, hotpot_k: int = 10,
                 batch: int = 256) -> list[dict]:
-    """The three figures as rows (dataset, metric, k, hits, total)."""
+    """Per sampled question (HITS_COLUMNS): its data set, id, k and whether its evidence is in the top k: for NQ
+    the answer in some passage (any = all), for HotpotQA one supporting article (any) and both (all)."""
+    out = []
+    for name, k in (("nq", nq_k), ("hotpotqa", hotpot_k)):
+        qs = questions.get(name, [])
+        for q, hs in zip(qs, _search(retriever, [q.question for q in qs], k, batch) if qs else []):
+            if name == "nq":
+                any_ = all_ = any(answer_in_passage(q.answers, h) for h in hs)
+            else:
+                titles = {h.title for h in hs}
+                any_, all_ = bool(set(q.evidence_titles) & titles), set(q.evidence_titles) <= titles
+            out.append({"dataset": name, "qid": q.qid, "k": k, "any": int(any_), "all": int(all_)})
+    return out
+
+
+def recall_table(hits: list[dict]) -> list[dict]:
+    """The three figures as rows (RECALL_COLUMNS) of the per-question `hits` (NQ first, a data set without
+    questions has no row)."""
     rows = []
-    nq = questions.get("nq", [])
-    if nq:
-        hits = _search(retriever, [q.question for q in nq], nq_k, batch)
-        n = sum(any(answer_in_passage(q.answers, h) for h in hs) for q, hs in zip(nq, hits))
-        rows.append({"dataset": "nq", "metric": "answer_in_topk", "k": nq_k, "hits": n, "total": len(nq)})
-    hp = questions.get("hotpotqa", [])
-    if hp:
-        hits = _search(retriever, [q.question for q in hp], hotpot_k, batch)
-        titles = [{h.title for h in hs} for hs in hits]
-        one = sum(bool(set(q.evidence_titles) & t) for q, t in zip(hp, titles))
-        both = sum(set(q.evidence_titles) <= t for q, t in zip(hp, titles))
-        rows.append({"dataset": "hotpotqa", "metric": "support_any_in_topk", "k": hotpot_k, "hits": one, "total": len(hp)})
-        rows.append({"dataset": "hotpotqa", "metric": "support_all_in_topk", "k": hotpot_k, "hits": both, "total": len(hp)})
+    for name, figures in (("nq", (("answer_in_topk", "any"),)),
+                          ("hotpotqa", (("support_any_in_topk", "any"), ("support_all_in_topk", "all")))):
+        hs = [h for h in hits if h["dataset"] == name]
+        for metric, col in figures if hs else ():
+            rows.append({"dataset": name, "metric": metric, "k": int(hs[0]["k"]),
+                         "hits": sum(int(h[col]) for h in hs), "total": len(hs)})
     return rows
 
 

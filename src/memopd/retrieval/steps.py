@@ -9,7 +9,8 @@ from pathlib import Path
 from memopd.config import RetrievalConfig
 from memopd.retrieval import format_passages, load_retriever
 from memopd.retrieval.corpus import build_corpus, read_corpus
-from memopd.retrieval.recall import RECALL_COLUMNS, recall_rows, sample_questions, time_queries
+from memopd.retrieval.recall import (HITS_COLUMNS, RECALL_COLUMNS, recall_hits, recall_table, sample_questions,
+                                     time_queries)
 from memopd.outputs import write_csv
 
 
@@ -40,15 +41,17 @@ def index_step(cfg: RetrievalConfig, section: dict, corpus_path: str | Path, out
 
 
 def recall_step(cfg: RetrievalConfig, index_dir: str | Path, data_dir: str | Path, seed: int, out: str | Path,
-                timing_out: str | Path) -> list[dict]:
-    """The three recall figures (CSV: dataset, metric, k, hits, total) and a timing row:
-    index build seconds (as measured when the index was built) and `timing_queries` batched searches."""
+                timing_out: str | Path, hits_out: str | Path | None = None) -> list[dict]:
+    """The three recall figures (CSV: dataset, metric, k, hits, total), each sampled question's hit (`hits_out`,
+    when given: what an archive keeps to rebuild the figures) and a timing row: index build seconds (as measured
+    when the index was built) and `timing_queries` batched searches."""
     rc = cfg.recall
     t0 = time.perf_counter()
     retriever = load_retriever(index_dir)
     load_s = time.perf_counter() - t0
     questions = sample_questions(list(rc.sources), data_dir, rc.questions, seed)
-    rows = recall_rows(retriever, questions, rc.nq_k, rc.hotpot_k)
+    hits = recall_hits(retriever, questions, rc.nq_k, rc.hotpot_k)
+    rows = recall_table(hits)
     pool = [q.question for qs in questions.values() for q in qs] or ["wikipedia"]
     n = rc.timing_queries
     timing = time_queries(retriever, (pool * (n // len(pool) + 1))[:n], k=rc.timing_k)
@@ -57,6 +60,8 @@ def recall_step(cfg: RetrievalConfig, index_dir: str | Path, data_dir: str | Pat
             "load_seconds": round(load_s, 3), "queries": timing["queries"], "k": timing["k"],
             "query_seconds": round(timing["seconds"], 3), "queries_per_second": round(timing["queries_per_second"], 1)}
     write_csv(out, rows, RECALL_COLUMNS)
+    if hits_out:
+        write_csv(hits_out, hits, HITS_COLUMNS)
     write_csv(timing_out, [trow], list(trow))
     for r in rows:
         print(f"{r['dataset']:8s} {r['metric']:20s} @{r['k']:<3d} {r['hits']}/{r['total']}")
