@@ -6,7 +6,7 @@ Layout (inside the archive, beside eval/ and train/; memopd.report.archive):
     sft/{model}/heldout.json           each SFT-summary model's held-out loss, as written
     sft/{model}/memopd_model.json      its model record (the SFT and pre-training seconds the table reads)
     eval/{model}/{benchmark}.json|csv  its evaluation, in the runs' evaluation layout
-    benchmarks/{set}.csv.gz            per task: task_id, benchmark, split, qids, sources (space-separated)
+    benchmarks/{set}.csv.gz            per task: KEPT_TASK_COLUMNS (qids and sources space-separated)
     retrieval/recall_hits.csv          each sampled question's hit (memopd.retrieval.recall.HITS_COLUMNS)
     audit/alignment_audit.json         the alignment audit's rows as measured, its scoring, device and episodes' record
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from memopd.inputs import ConfigError
 
-TASK_COLUMNS = ("task_id", "benchmark", "split", "qids", "sources")
+KEPT_TASK_COLUMNS = ("task_id", "benchmark", "split", "qids", "sources")
 # Where each input is in the run's results/ folder (the workflow's layout, docs/outputs.md)
 HELDOUT, MODEL_RECORD = "sft/heldout_{model}.json", "models/{model}/memopd_model.json"
 BENCHMARK, RECALL_HITS = "benchmarks/{name}.parquet", "retrieval/recall_hits.csv"
@@ -106,12 +106,12 @@ def rebuild_sft(spec: ArchivedTables, archive: Path, out: Path) -> None:
 
 
 def keep_tasks(src: Path, out: Path) -> Path:
-    """One benchmark file's tasks (benchmarks/{set}.csv.gz: TASK_COLUMNS, lists space-separated)."""
+    """One benchmark file's tasks (benchmarks/{set}.csv.gz: KEPT_TASK_COLUMNS, lists space-separated)."""
     from memopd.data.compose import read_tasks
 
     buf = io.StringIO(newline="")
     w = csv.writer(buf)
-    w.writerow(TASK_COLUMNS)
+    w.writerow(KEPT_TASK_COLUMNS)
     for t in read_tasks(src):
         w.writerow([t["task_id"], t["benchmark"], t["split"], " ".join(t["qids"]), " ".join(t["sources"])])
     dst = out / "benchmarks" / f"{src.stem}.csv.gz"
